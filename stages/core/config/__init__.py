@@ -1,0 +1,6 @@
+"""Config models (one module per section) and the YAML loader."""
+
+from stages.core.config.loader import CONFIG_DIR, ConfigError, load_config, profile_names, to_yaml
+from stages.core.config.root import RunConfig
+
+__all__ = ["CONFIG_DIR", "ConfigError", "RunConfig", "load_config", "profile_names", "to_yaml"]

