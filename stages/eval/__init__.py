@@ -1,0 +1,1 @@
+"""Evaluation: serving, benchmarks, tool-integrated inference, scoring (rules, judge, pass@k), report."""

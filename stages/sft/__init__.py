@@ -1,0 +1,1 @@
+"""Cold-start SFT with LLaMA-Factory: trajectory data, config builder, runner, optional self-critic DPO."""
