@@ -1,0 +1,113 @@
+"""Every shipped YAML validates; bad keys fail early with the key and the fix; overrides parse as YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stages.core.config import CONFIG_DIR, ConfigError, load_config, profile_names, to_yaml
+from stages.core.config.loader import parse_override, read_yaml, validate
+
+
+@pytest.mark.parametrize("profile", profile_names())
+def test_every_profile_validates(profile: str) -> None:
+    config = load_config(profile)
+    assert config.profile == profile
+    # the resolved config round-trips through YAML unchanged
+    assert validate({**read_yaml_text(to_yaml(config))}) == config
+
+
+def read_yaml_text(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_every_yaml_under_configs_parses() -> None:
+    files = [p for p in CONFIG_DIR.rglob("*.y*ml")]
+    assert any(p.name == "base.yaml" for p in files)
+    for path in files:
+        assert isinstance(read_yaml(path), dict), path
+
+
+def test_expected_profiles_exist() -> None:
+    assert {"tiny-cpu", "arpo-qwen2.5-7b-reasoning", "arpo-qwen3-14b-deepsearch",
+            "aepo-qwen3-14b-deepsearch"} <= set(profile_names())
+
+
+def test_paper_profiles_carry_reference_hyperparameters() -> None:
+    arpo7b = load_config("arpo-qwen2.5-7b-reasoning")
+    assert (arpo7b.rl.rollout.n, arpo7b.rl.rollout.initial_rollouts, arpo7b.rl.rollout.beam_size) == (16, 8, 2)
+    assert (arpo7b.rl.trainer.train_batch_size, arpo7b.rl.trainer.ppo_mini_batch_size) == (128, 16)
+    assert (arpo7b.rl.rollout.max_prompt_length, arpo7b.rl.rollout.max_response_length) == (1536, 4096)
+    assert arpo7b.rl.optim.lr == 1e-6 and arpo7b.sft.learning_rate == 7e-6 and arpo7b.sft.cutoff_len == 15000
+    aepo = load_config("aepo-qwen3-14b-deepsearch")
+    assert (aepo.rl.rollout.n, aepo.rl.rollout.initial_rollouts, aepo.rl.rollout.call_limit) == (12, 6, 6)
+    assert aepo.rl.loss.policy_loss == "aepo_balanced_clip" and aepo.rl.advantage.entropy_aware
+    assert aepo.rl.rollout.branch_penalty == 0.05
+
+
+def test_typo_names_the_key_and_the_nearest_valid_one() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-cpu", ["rl.rollout.beam_sise=3"])
+    assert "'rl.rollout.beam_sise'" in str(err.value)
+    assert "did you mean 'rl.rollout.beam_size'" in str(err.value)
+
+
+def test_unknown_section_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError, match="unknown config key 'trainr'.*did you mean 'train'|unknown config key 'trainr'"):
+        load_config("tiny-cpu", ["trainr.steps=3"])
+
+
+def test_unknown_key_in_a_yaml_file_fails(tmp_path: Path) -> None:
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "base.yaml").write_text((CONFIG_DIR / "base.yaml").read_text())
+    (tmp_path / "profiles" / "bad.yaml").write_text("sft:\n  learning_rat: 1.0e-5\n")
+    with pytest.raises(ConfigError, match="'sft.learning_rat'.*'sft.learning_rate'"):
+        load_config("bad", config_dir=tmp_path)
+
+
+def test_wrong_type_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="rl.rollout.n"):
+        load_config("tiny-cpu", ["rl.rollout.n=many"])
+
+
+def test_cross_field_rule_says_how_to_fix() -> None:
+    with pytest.raises(ConfigError, match="initial_rollouts=9 exceeds rl.rollout.n=4"):
+        load_config("tiny-cpu", ["rl.rollout.initial_rollouts=9"])
+
+
+def test_unknown_profile_suggests_the_closest() -> None:
+    with pytest.raises(ConfigError, match="Did you mean 'tiny-cpu'"):
+        load_config("tiny-cp")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("rl.rollout.n=8", (["rl", "rollout", "n"], 8)),
+    ("rl.optim.lr=1e-5", (["rl", "optim", "lr"], "1e-5")),        # YAML 1.1: no dot -> string, pydantic coerces
+    ("eval.benchmarks=[gsm8k, hotpotqa]", (["eval", "benchmarks"], ["gsm8k", "hotpotqa"])),
+    ("sft.enabled=false", (["sft", "enabled"], False)),
+    ("run.name=my run", (["run", "name"], "my run")),
+])
+def test_override_values_parse_as_yaml(text: str, expected: tuple) -> None:
+    assert parse_override(text) == expected
+
+
+def test_overrides_apply_and_config_is_frozen() -> None:
+    config = load_config("tiny-cpu", ["rl.rollout.n=8", "rl.optim.lr=1e-5", "eval.benchmarks=[gsm8k]"])
+    assert config.rl.rollout.n == 8 and config.rl.optim.lr == 1e-5 and config.eval.benchmarks == ["gsm8k"]
+    with pytest.raises(Exception):
+        config.rl.rollout.n = 3  # type: ignore[misc]
+
+
+def test_override_without_equals_is_explained() -> None:
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config("tiny-cpu", ["rl.rollout.n"])
+
+
+def test_section_hash_changes_only_with_that_section() -> None:
+    a = load_config("tiny-cpu")
+    b = load_config("tiny-cpu", ["rl.rollout.n=8"])
+    assert a.section_hash("sft") == b.section_hash("sft")
+    assert a.section_hash("rl") != b.section_hash("rl")
