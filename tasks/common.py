@@ -47,3 +47,15 @@ def stage_task(stage: str, *packages: str, retries: int = 1, retry_delay_seconds
 def refreshed(stage_task_: Task, refresh: bool) -> Task:
     """The same task, forced to recompute and overwrite its cache entry when `refresh` is set."""
     return stage_task_.with_options(refresh_cache=True) if refresh else stage_task_
+
+
+def run_stage(stage_task_: Task, plan: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a stage task, forcing a recompute (cache refresh + stage folder wipe) when the plan says so."""
+    force = plan.refreshes(stage)
+    return refreshed(stage_task_, force)(*args, force=force, **kwargs)
+
+
+def submit_stage(stage_task_: Task, plan: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
+    """Like run_stage, but submitted to the flow's task runner (for fan-out); returns a future."""
+    force = plan.refreshes(stage)
+    return refreshed(stage_task_, force).submit(*args, force=force, **kwargs)

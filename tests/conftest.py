@@ -28,6 +28,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
+    """A throwaway Prefect API + result store for the whole session, so cache hits come only from this session."""
+    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    storage = tmp_path_factory.mktemp("prefect-results")
+    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}):
+        with prefect_test_harness(server_startup_timeout=120):
+            yield storage
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real reference data (RL parquet, eval sets, search cache) at ../shared/data."""
     if not SHARED_DATA.is_dir():

@@ -1,0 +1,151 @@
+"""`arpo`: the front door. Run the pipeline (or part of it), inspect configs, manage the local Prefect UI.
+
+Config errors are reported before Prefect is even imported; exit code 2 means "fix your input".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from stages.core.env import PROJECT_ROOT, configure_environment
+
+UI_PORT = 4200
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_environment()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    from stages.core.config import ConfigError
+    from stages.core.plan import PlanError
+
+    try:
+        return args.handler(args) or 0
+    except (ConfigError, PlanError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arpo", description=__doc__)
+    sub = parser.add_subparsers()
+    run = sub.add_parser("run", help="run the pipeline (default: the whole tiny chain on CPU)")
+    _config_args(run)
+    run.add_argument("--only", action="append", default=[], metavar="STAGE",
+                     help="run just this stage (upstream inputs come from cache); repeatable")
+    run.add_argument("--until", metavar="STAGE", help="run the chain up to and including STAGE")
+    run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
+                     help="recompute STAGE even if cached (its downstream follows); repeatable")
+    run.add_argument("--from", dest="refresh_from", metavar="STAGE", help="recompute STAGE and everything after it")
+    run.add_argument("--ephemeral", action="store_true",
+                     help="do not use the local Prefect server even if it is running")
+    run.set_defaults(handler=cmd_run)
+
+    config = sub.add_parser("config", help="show or validate the resolved config")
+    config.add_argument("action", choices=["show", "validate"])
+    _config_args(config)
+    config.set_defaults(handler=cmd_config)
+
+    server = sub.add_parser("server", help="the local Prefect server (web UI at http://127.0.0.1:4200)")
+    server.add_argument("action", choices=["start", "stop", "status"])
+    server.add_argument("--port", type=int, default=UI_PORT)
+    server.set_defaults(handler=cmd_server)
+
+    stages = sub.add_parser("stages", help="list the pipeline stages in order")
+    stages.set_defaults(handler=cmd_stages)
+    from flows import extra_commands
+
+    extra_commands.register(sub)
+    return parser
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-p", "--profile", default="tiny-cpu", help="configs/profiles/<PROFILE>.yaml or a path")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value, e.g. -o rl.rollout.n=8; repeatable")
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    from stages.core.plan import GROUPS, STAGES
+
+    print(" -> ".join(STAGES))
+    print("groups: " + ", ".join(f"{name} = {'+'.join(members)}" for name, members in GROUPS.items()))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from stages.core.config import load_config, to_yaml
+
+    cfg = load_config(args.profile, args.override)
+    print(to_yaml(cfg) if args.action == "show" else f"ok: profile {cfg.profile} is valid")
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from stages.core import services
+
+    url = f"http://127.0.0.1:{args.port}"
+    if args.action == "start":
+        service = start_prefect_server(args.port)
+        print(f"Prefect UI: {service.url}   (log: {service.log}; stop with `arpo server stop`)")
+    elif args.action == "stop":
+        print("stopped" if services.stop("prefect-server") else "not running")
+    else:
+        service = services.load("prefect-server")
+        print(f"running at {service.url} (pid {service.pid})" if service else f"not running ({url})")
+    return 0
+
+
+def start_prefect_server(port: int = UI_PORT):
+    from stages.core import services
+
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    return services.start("prefect-server", cmd, health_url=f"{url}/api/health", url=url, timeout=180)
+
+
+def use_local_server_if_running() -> str | None:
+    from stages.core import services
+
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"].removesuffix("/api")
+    service = services.load("prefect-server")
+    if service and services.healthy(f"{service.url}/api/health"):
+        os.environ["PREFECT_API_URL"] = f"{service.url}/api"
+        return service.url
+    return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from stages.core.config import load_config
+    from stages.core.env import free_cpu_threads
+    from stages.core.plan import make_plan
+
+    cfg = load_config(args.profile, args.override)  # fail fast on config errors
+    plan = make_plan(args.only, args.until, args.refresh, args.refresh_from)
+    ui = None if args.ephemeral else use_local_server_if_running()
+    import torch
+
+    torch.set_num_threads(cfg.run.torch_threads or free_cpu_threads())
+    from flows.params import PipelineParams
+    from flows.pipeline import pipeline
+
+    print(f"profile {cfg.profile}: {plan.describe()}")
+    params = PipelineParams(profile=args.profile, overrides=args.override, only=args.only, until=args.until,
+                            refresh=args.refresh, refresh_from=args.refresh_from)
+    summary = pipeline(params)
+    print(f"\nrun record: {summary['run_dir']}")
+    report = summary["refs"].get("report")
+    if report:
+        print(f"report:     {report['path']}")
+    print(f"web UI:     {ui}" if ui else "web UI:     start it with `arpo server start`, then rerun (cached)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""The whole chain as one Prefect flow: bootstrap -> data -> SFT -> RL -> merge -> serve -> infer -> score -> report.
+
+Only wiring lives here: every step is a task from tasks/ (cached, retried), the plan says which run and which are
+forced to recompute, and servers are torn down in `finally` even when a step fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.params import PipelineParams
+from stages.core.config import load_config
+from stages.core.plan import make_plan
+from tasks.bootstrap import bootstrap_task
+from tasks.common import run_stage, submit_stage
+from tasks.data import data_task
+from tasks.eval_infer import infer_task
+from tasks.eval_score import report_task, score_task
+from tasks.eval_serve import judge_endpoint_task, serve_task, stop_task
+from tasks.rl import merge_task, rl_task
+from tasks.run_record import record_config_task, summary_task
+from tasks.sft import sft_task
+
+
+@flow(name="arpo-pipeline", log_prints=True)
+def pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
+    cfg = load_config(params.profile, params.overrides)  # a bad key fails here, before any work
+    plan = make_plan(params.only, params.until, params.refresh, params.refresh_from)
+    root, cache = cfg.run.output_root, cfg.run.cache_root
+    run_dir = record_config_task(cfg, plan.describe())
+    refs: dict[str, Any] = {}
+    refs["bootstrap"] = model = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, root, cache)
+    if plan.runs("data"):
+        refs["data"] = data = run_stage(data_task, plan, "data", cfg.data, root)
+    if plan.runs("sft"):
+        refs["sft"] = policy = run_stage(sft_task, plan, "sft", cfg.sft, cfg.agent, model, data, root, cache)
+    if plan.runs("rl"):
+        refs["rl"] = policy = run_stage(rl_task, plan, "rl", cfg.rl, cfg.agent, policy, data, root, cache,
+                                        seed=cfg.run.seed)
+    if plan.runs("merge"):
+        refs["merge"] = policy = run_stage(merge_task, plan, "merge", cfg.merge, policy, root)
+    if plan.runs("infer"):
+        refs.update(evaluate(cfg, plan, policy, data, run_dir))
+    return summary_task(run_dir, refs)
+
+
+def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str) -> dict[str, Any]:
+    """Serve the policy (and the judge), fan inference + scoring out per benchmark, report; always tear down."""
+    root, cache = cfg.run.output_root, cfg.run.cache_root
+    endpoints = []
+    try:
+        endpoint = serve_task(cfg.serve, model, run_dir)
+        endpoints.append(endpoint)
+        judge = judge_endpoint_task(cfg.eval.judge, endpoint, run_dir) if plan.runs("score") else None
+        if judge is not None and judge != endpoint:
+            endpoints.append(judge)
+        predictions = [submit_stage(infer_task, plan, "infer", cfg.eval, cfg.agent, name, model, endpoint, data,
+                                    root, cache) for name in cfg.eval.benchmarks]
+        if not plan.runs("score"):
+            return {"infer": [p.result() for p in predictions]}
+        scores = [submit_stage(score_task, plan, "score", cfg.eval, p, judge, root, cache) for p in predictions]
+        out = {"infer": [p.result() for p in predictions], "score": [s.result() for s in scores]}
+        if plan.runs("report"):
+            out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], root)
+        return out
+    finally:
+        for endpoint in endpoints:
+            stop_task(endpoint)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: install if needed, then the whole default suite (unit + integration on the tiny model).
+# Extra arguments go to pytest (e.g. -m "not slow", -k rollout).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ARPO_WITH_BROWSER=1 ./scripts/setup.sh
+exec .venv/bin/python -m pytest -m "not gpu" "$@"

@@ -1,0 +1,66 @@
+"""Which stages a pipeline run executes and which it forces to recompute. Pure; the flow only reads it.
+
+Stages run in this order; `eval` names the evaluation group (serve + infer + score + report).
+- until=S: run the chain up to and including S.
+- only=[S]: run S; its upstream still runs but is served from cache (it is needed for S's inputs).
+- refresh=[S]: recompute S even if cached. Its downstream follows on its own: S's output fingerprint changes.
+- refresh_from=S: recompute S and everything after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+STAGES: tuple[str, ...] = ("bootstrap", "data", "sft", "rl", "merge", "infer", "score", "report")
+GROUPS: dict[str, tuple[str, ...]] = {"eval": ("infer", "score", "report")}
+StageName = Literal["bootstrap", "data", "sft", "rl", "merge", "eval", "infer", "score", "report"]
+
+
+class PlanError(ValueError):
+    pass
+
+
+def expand(names: list[str] | tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        if name in GROUPS:
+            out.extend(GROUPS[name])
+        elif name in STAGES:
+            out.append(name)
+        else:
+            raise PlanError(f"unknown stage {name!r}; stages are {list(STAGES)} (or 'eval' for infer+score+report)")
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    run: frozenset[str]
+    refresh: frozenset[str]
+
+    def runs(self, stage: str) -> bool:
+        return stage in self.run
+
+    def refreshes(self, stage: str) -> bool:
+        return stage in self.refresh
+
+    def describe(self) -> str:
+        order = [s for s in STAGES if s in self.run]
+        return " -> ".join(f"{s}{' (refresh)' if s in self.refresh else ''}" for s in order)
+
+
+def make_plan(only: list[str] | None = None, until: str | None = None, refresh: list[str] | None = None,
+              refresh_from: str | None = None) -> Plan:
+    if only and until:
+        raise PlanError("use either `only` or `until`, not both")
+    last = len(STAGES) - 1
+    if until:
+        last = max(STAGES.index(s) for s in expand([until]))
+    if only:
+        last = max(STAGES.index(s) for s in expand(only))
+    run = set(STAGES[: last + 1])
+    forced = set(expand(refresh or []))
+    if refresh_from:
+        first = min(STAGES.index(s) for s in expand([refresh_from]))
+        forced |= set(STAGES[first:])
+    return Plan(run=frozenset(run), refresh=frozenset(forced & run))
