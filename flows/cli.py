@@ -132,13 +132,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(cfg.run.torch_threads or free_cpu_threads())
-    from flows.params import PipelineParams
     from flows.pipeline import pipeline
 
     print(f"profile {cfg.profile}: {plan.describe()}")
-    params = PipelineParams(profile=args.profile, overrides=args.override, only=args.only, until=args.until,
-                            refresh=args.refresh, refresh_from=args.refresh_from)
-    summary = pipeline(params)
+    summary = pipeline(profile=args.profile, overrides=args.override, only=args.only, until=args.until,
+                       refresh=args.refresh, refresh_from=args.refresh_from)
     print(f"\nrun record: {summary['run_dir']}")
     report = summary["refs"].get("report")
     if report:

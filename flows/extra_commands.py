@@ -6,6 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    register_deploy(sub)
     retriever = sub.add_parser("retriever", help="serve a local search index on the FlashRAG HTTP API")
     retriever.add_argument("action", choices=["serve"])
     retriever.add_argument("rest", nargs=argparse.REMAINDER, help="options of the retriever server (see --help)")
@@ -16,3 +17,49 @@ def cmd_retriever(args: argparse.Namespace) -> int:
     from stages.agent.retriever_server import main
 
     return main(args.rest) or 0
+
+
+def register_deploy(sub: argparse._SubParsersAction) -> None:
+    deploy = sub.add_parser("deploy", help="start the local server, create work pools, register prefect.yaml "
+                                           "deployments and start a worker")
+    deploy.add_argument("--pool", default="arpo-cpu", help="work pool the started worker serves")
+    deploy.add_argument("--no-worker", action="store_true", help="register only; start workers yourself")
+    deploy.set_defaults(handler=cmd_deploy)
+    worker = sub.add_parser("worker", help="a Prefect process worker for a work pool (start/stop/status)")
+    worker.add_argument("action", choices=["start", "stop", "status"])
+    worker.add_argument("--pool", default="arpo-cpu")
+    worker.set_defaults(handler=cmd_worker)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows.deployments import create_work_pools, register_deployments
+    from flows.cli import start_prefect_server, use_local_server_if_running
+
+    start_prefect_server()
+    url = use_local_server_if_running()
+    create_work_pools()
+    names = register_deployments()
+    print(f"registered {len(names)} deployments on {url}: {', '.join(names)}")
+    if not args.no_worker:
+        return cmd_worker(argparse.Namespace(action="start", pool=args.pool))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from flows.cli import use_local_server_if_running
+    from flows.deployments import start_worker
+    from stages.core import services
+
+    name = f"worker-{args.pool}"
+    if args.action == "start":
+        if not use_local_server_if_running():
+            print("error: no Prefect server; run `arpo server start` (or `arpo deploy`) first")
+            return 2
+        service = start_worker(args.pool)
+        print(f"worker for pool {args.pool} running (pid {service.pid}, log {service.log})")
+    elif args.action == "stop":
+        print("stopped" if services.stop(name) else "not running")
+    else:
+        service = services.load(name)
+        print(f"running (pid {service.pid})" if service else "not running")
+    return 0

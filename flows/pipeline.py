@@ -10,9 +10,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.params import PipelineParams
 from stages.core.config import load_config
-from stages.core.plan import make_plan
+from stages.core.plan import StageName, make_plan
 from tasks.bootstrap import bootstrap_task
 from tasks.common import run_stage, submit_stage
 from tasks.data import data_task
@@ -25,9 +24,13 @@ from tasks.sft import sft_task
 
 
 @flow(name="arpo-pipeline", log_prints=True)
-def pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
-    cfg = load_config(params.profile, params.overrides)  # a bad key fails here, before any work
-    plan = make_plan(params.only, params.until, params.refresh, params.refresh_from)
+def pipeline(profile: str = "tiny-cpu", overrides: list[str] | None = None, only: list[StageName] | None = None,
+             until: StageName | None = None, refresh: list[StageName] | None = None,
+             refresh_from: StageName | None = None) -> dict[str, Any]:
+    """profile: configs/profiles/<name>.yaml; overrides: key.sub=value; only/until: which stages run (upstream
+    comes from cache); refresh / refresh_from: recompute these stages (and, for refresh_from, all after it)."""
+    cfg = load_config(profile, overrides or [])  # a bad key fails here, before any work
+    plan = make_plan(only, until, refresh, refresh_from)
     root, cache = cfg.run.output_root, cfg.run.cache_root
     run_dir = record_config_task(cfg, plan.describe())
     refs: dict[str, Any] = {}

@@ -49,6 +49,17 @@ def refreshed(stage_task_: Task, refresh: bool) -> Task:
     return stage_task_.with_options(refresh_cache=True) if refresh else stage_task_
 
 
+def call_stage(target: str, python: str | None, **kwargs: Any) -> Any:
+    """Call a stage entry point ('stages.x.mod:fn') here, or under another interpreter when `python` is set."""
+    if python:
+        from stages.core.isolate import call_in_interpreter
+
+        return call_in_interpreter(python, target, kwargs)
+    from stages.core.isolate import resolve
+
+    return resolve(target)(**kwargs)
+
+
 def run_stage(stage_task_: Task, plan: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
     """Call a stage task, forcing a recompute (cache refresh + stage folder wipe) when the plan says so."""
     force = plan.refreshes(stage)
