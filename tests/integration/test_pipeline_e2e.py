@@ -1,0 +1,125 @@
+"""The whole tiny chain as a Prefect deployment on a local server, run the way a user runs it:
+`prefect deployment run`, a process worker, the web UI. Then: a rerun recomputes nothing; refreshing `eval`
+recomputes infer/score/report only; changing an RL setting recomputes RL and downstream only.
+
+One module-scoped server + worker with their own PREFECT_HOME and result store, and outputs in a temp folder,
+so the first run really computes everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stages.core.env import PROJECT_ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+EVAL = {"infer", "score", "report"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    outputs = tmp_path_factory.mktemp("outputs")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
+           "PREFECT_LOCAL_STORAGE_PATH": str(home / "storage"), "PREFECT_MEMO_STORE_PATH": str(home / "memo.toml")}
+    env.pop("PREFECT_API_URL", None)
+    arpo = [sys.executable, "-m", "flows.cli"]
+    subprocess.run([*arpo, "server", "start", "--port", str(port)], env=env, check=True, cwd=PROJECT_ROOT)
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    try:
+        subprocess.run([*arpo, "deploy"], env=env, check=True, cwd=PROJECT_ROOT)
+        yield {"env": env, "outputs": outputs, "url": f"http://127.0.0.1:{port}"}
+    finally:
+        subprocess.run([*arpo, "worker", "stop"], env=env, cwd=PROJECT_ROOT)
+        subprocess.run([*arpo, "server", "stop"], env=env, cwd=PROJECT_ROOT)
+
+
+def run_deployment(deployed: dict, *params: str) -> tuple[str, dict[str, set[str]]]:
+    """`prefect deployment run ... --watch`; return the flow run id and {task name: {state names}}."""
+    outputs = deployed["outputs"]
+    overrides = json.dumps([f"run.output_root={outputs}", "eval.max_questions=2"] + list(params[1:]))
+    cmd = [sys.executable, "-m", "prefect", "deployment", "run", "arpo-pipeline/pipeline-tiny", "--watch",
+           "--watch-timeout", "3000", "--param", f"overrides={overrides}"]
+    if params and params[0]:
+        cmd += ["--param", f"refresh={json.dumps([params[0]])}"]
+    proc = subprocess.run(cmd, env=deployed["env"], capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = next(line.split("UUID:")[-1].strip() for line in proc.stdout.splitlines() if "UUID:" in line)
+    return run_id, task_states(deployed["env"], run_id)
+
+
+def task_states(env: dict, flow_run_id: str) -> dict[str, set[str]]:
+    code = f"""
+import asyncio, json
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+async def main():
+    async with get_client() as client:
+        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=["{flow_run_id}"])))
+        out = {{}}
+        for run in runs:
+            out.setdefault(run.name, []).append(run.state.name)  # task run name = stage name (tasks/common.py)
+        print(json.dumps(out))
+asyncio.run(main())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return {name: set(states) for name, states in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def computed(states: dict[str, set[str]]) -> set[str]:
+    stages = {"bootstrap", "data", "sft", "rl", "merge", "infer", "score", "report"}
+    return {name for name, seen in states.items() if name in stages and "Completed" in seen}
+
+
+def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
+    run_id, states = run_deployment(deployed, "")
+    assert {"data", "sft", "rl", "merge", "infer", "score", "report"} <= computed(states), states
+    record = deployed["outputs"] / "runs" / "latest"
+    refs = json.loads((record / "refs.json").read_text())
+    assert Path(refs["report"]["path"]).exists()
+    deployed["first_run"] = run_id
+
+
+def test_second_run_recomputes_nothing(deployed: dict) -> None:
+    _, states = run_deployment(deployed, "")
+    assert computed(states) == set(), states
+
+
+def test_refreshing_eval_recomputes_only_eval(deployed: dict) -> None:
+    _, states = run_deployment(deployed, "eval")
+    assert computed(states) == EVAL, states
+
+
+def test_changing_rl_recomputes_rl_and_downstream(deployed: dict) -> None:
+    _, states = run_deployment(deployed, "", "rl.optim.lr=2.0e-6")
+    assert computed(states) == {"rl", "merge"} | EVAL, states
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium not installed (scripts/setup.sh)")
+def test_ui_shows_the_run_its_tasks_and_artifacts(deployed: dict, tmp_path: Path) -> None:
+    url = f"{deployed['url']}/runs/flow-run/{deployed.get('first_run', '')}"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000", "--window-size=1600,1400"]
+    shot = PROJECT_ROOT / "outputs" / "ui" / "flow_run.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["chromium", *flags, f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert shot.stat().st_size > 20_000          # a rendered page, not a blank one
+    for name in ("sft", "rl", "merge", "report"):
+        assert name in dom
