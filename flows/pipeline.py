@@ -17,7 +17,7 @@ from tasks.common import run_stage, submit_stage
 from tasks.data import data_task
 from tasks.eval_infer import infer_task
 from tasks.eval_score import report_task, score_task
-from tasks.eval_serve import judge_endpoint_task, serve_task, stop_task
+from tasks.eval_serve import judge_serve_task, serve_task, stop_task
 from tasks.rl import merge_task, rl_task
 from tasks.run_record import record_config_task, summary_task
 from tasks.sft import sft_task
@@ -56,8 +56,8 @@ def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str) -> dict[s
     try:
         endpoint = serve_task(cfg.serve, model, run_dir)
         endpoints.append(endpoint)
-        judge = judge_endpoint_task(cfg.eval.judge, endpoint, run_dir) if plan.runs("score") else None
-        if judge is not None and judge != endpoint:
+        judge = judge_serve_task(cfg.eval.judge, endpoint, run_dir) if plan.runs("score") else None
+        if judge is not None and judge.url != endpoint.url:
             endpoints.append(judge)
         predictions = [submit_stage(infer_task, plan, "infer", cfg.eval, cfg.agent, name, model, endpoint, data,
                                     root, cache) for name in cfg.eval.benchmarks]

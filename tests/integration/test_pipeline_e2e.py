@@ -81,9 +81,14 @@ asyncio.run(main())
     return {name: set(states) for name, states in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
+def stage_of(task_run_name: str) -> str:
+    """Task run names are the stage names; eval tasks are eval-infer-<benchmark>, eval-score, eval-report."""
+    return task_run_name.removeprefix("eval-").split("-")[0]
+
+
 def computed(states: dict[str, set[str]]) -> set[str]:
     stages = {"bootstrap", "data", "sft", "rl", "merge", "infer", "score", "report"}
-    return {name for name, seen in states.items() if name in stages and "Completed" in seen}
+    return {stage_of(name) for name, seen in states.items() if stage_of(name) in stages and "Completed" in seen}
 
 
 def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
