@@ -15,8 +15,12 @@ class JudgeSection(Section):
     model: Literal["policy", "path"] = "policy"
     path: str | None = Field(None, description="judge model folder or hub id (model=path)")
     serve: ServeSection = ServeSection()
-    max_retries: int = 3
-    concurrency: int = 4
+    max_retries: int = Field(3, ge=1, description="attempts per judge call (tenacity, exponential backoff)")
+    retry_backoff_s: float = Field(1.0, gt=0, description="first backoff wait; doubles per attempt, max 30 s")
+    concurrency: int = Field(4, ge=1)
+    temperature: float = Field(0.0, ge=0, description="judge sampling temperature (0 = deterministic verdicts)")
+    max_tokens: int = Field(256, ge=1, description="judge reply budget (a thinking judge needs more)")
+    timeout_s: float = Field(120.0, gt=0, description="HTTP timeout per judge call")
 
 
 class EvalSection(Section):
@@ -28,6 +32,9 @@ class EvalSection(Section):
     pass_k: list[int] = Field(default_factory=lambda: [1])
     temperature: float = 0.6
     top_p: float = 0.95
+    top_k: int = Field(20, ge=-1, description="sent when the server accepts it (cpu, vllm); 0 or -1 = off")
+    min_p: float = Field(0.0, ge=0, le=1, description="sent when the server accepts it (cpu, vllm)")
+    repetition_penalty: float = Field(1.1, gt=0, description="sent when the server accepts it; 1.0 = off")
     max_tokens: int = Field(4096, description="tokens per generation call")
     max_total_tokens: int = Field(8192, description="response budget per sample across calls")
     concurrency: int = Field(8, ge=1)
@@ -35,3 +42,10 @@ class EvalSection(Section):
     max_python: int = 5
     max_search: int = 10
     judge: JudgeSection = JudgeSection()
+    bootstrap_samples: int = Field(1000, ge=10, description="bootstrap resamples (over questions) per CI")
+    bootstrap_seed: int = Field(0, description="seed of the bootstrap resampling")
+    confidence: float = Field(0.95, gt=0, lt=1, description="confidence level of the bootstrap intervals")
+    math_workers: int = Field(2, ge=1, description="processes that run math-verify (its timeouts need a main thread)")
+    reference_setting: str | None = Field(
+        None, description="published setting shown beside ours in the report, a key of "
+                          "stages/eval/reference_numbers.yaml (e.g. arpo-qwen3-14b); None = all settings listed")

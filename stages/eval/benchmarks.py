@@ -1,0 +1,283 @@
+"""Benchmark registry and loaders: one `BenchmarkSpec` per benchmark, one `load_benchmark` for all of them.
+
+A spec says where the file lives under `eval.data_root` (the reference layout `<dir>/test.jsonl`), which field
+holds the question and the answer, how the gold answer is parsed (a gold parser registered by name), the task
+type (math | qa; `mixed` = per-row `kind`, our generated set), the default cap (math 500, QA 200, HLE 500 as in
+the Tool-Star README; smaller files are read whole), the prompt template and the default search backend.
+A hub dataset id is the documented fallback when the local file is absent; offline it fails with a message
+naming both the file to put in place and the hub id.
+
+Every loaded benchmark carries a content hash over exactly the items that were loaded (after the cap), so
+each result row can name the data it was computed on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.core.fingerprint import hash_value
+from stages.core.log import get_logger
+from stages.core.registry import Registry
+
+log = get_logger(__name__)
+
+TASK_TYPES = ("math", "qa")
+
+GOLD_PARSERS: Registry[Callable[[Any], tuple[str, ...]]] = Registry("gold-answer parser")
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    id: str
+    question: str
+    golds: tuple[str, ...]
+    task_type: str  # math | qa
+    meta: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """Where the same benchmark lives on the Hugging Face hub, and its field names there."""
+
+    dataset: str
+    split: str
+    question_field: str
+    answer_field: str
+    config: str | None = None
+    id_field: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    name: str
+    task_type: str  # math | qa | mixed (per-row `kind` field)
+    group: str  # math | knowledge | deepsearch | generated: how the paper groups it
+    files: tuple[str, ...]  # candidate paths relative to eval.data_root, first existing wins
+    question_field: str
+    default_cap: int
+    answer_field: str = "answer"
+    id_field: str | None = None
+    gold: str = "list"  # GOLD_PARSERS name
+    prompt_template: str = "tir_search_python"
+    search_backend: str = "web"  # agent.search.backend the reference used for it
+    meta_fields: tuple[str, ...] = ()
+    language: str = "en"
+    hub: HubSource | None = None
+    skip_if: tuple[tuple[str, Any], ...] = ()  # (field, value): rows to leave out (e.g. HLE image rows)
+
+
+# --------------------------------------------------------------------------------------------- gold parsers
+@GOLD_PARSERS.register("plain")
+def gold_plain(value: Any) -> tuple[str, ...]:
+    """One answer kept verbatim (LaTeX, intervals like "[1, 2)", free text): no list parsing."""
+    text = str(value).strip()
+    return (text,) if text else ()
+
+
+@GOLD_PARSERS.register("list")
+def gold_list(value: Any) -> tuple[str, ...]:
+    """Aliases: a JSON list, a string holding a Python list ("['Frank Lowy']"), or one plain string."""
+    from stages.agent.scoring import parse_gold
+
+    if isinstance(value, (list, tuple)):
+        golds = [str(v).strip() for v in value]
+    else:
+        golds = [str(v).strip() for v in parse_gold(str(value))]
+    return tuple(dict.fromkeys(g for g in golds if g))
+
+
+_GSM8K_NUMBER = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+@GOLD_PARSERS.register("gsm8k")
+def gold_gsm8k(value: Any) -> tuple[str, ...]:
+    """GSM8K solution text: the number after `####`, thousands separators removed ("1,000" -> "1000")."""
+    match = _GSM8K_NUMBER.search(str(value))
+    if not match:
+        raise ValueError(f"gsm8k answer has no '#### <number>' line: {str(value)[-80:]!r}")
+    return (match.group(1).replace(",", "").strip(),)
+
+
+# --------------------------------------------------------------------------------------------- the table
+def _flashrag(config: str) -> HubSource:
+    return HubSource("RUC-NLPIR/FlashRAG_datasets", "dev" if config != "bamboogle" else "test", "question",
+                     "golden_answers", config=config, id_field="id")
+
+
+_SPECS = [
+    BenchmarkSpec("aime24", "math", "math", ("aime24/test.jsonl",), "question", 500, id_field="id", gold="plain",
+                  meta_fields=("url",), hub=HubSource("HuggingFaceH4/aime_2024", "train", "problem", "answer",
+                                                      id_field="id")),
+    BenchmarkSpec("aime25", "math", "math", ("aime25/test.jsonl",), "problem", 500, id_field="id", gold="plain",
+                  hub=HubSource("math-ai/aime25", "test", "problem", "answer", id_field="id")),
+    BenchmarkSpec("math500", "math", "math", ("math500/test.jsonl",), "question", 500, gold="plain",
+                  hub=HubSource("HuggingFaceH4/MATH-500", "test", "problem", "answer", id_field="unique_id")),
+    BenchmarkSpec("gsm8k", "math", "math", ("gsm8k/test.jsonl",), "question", 500, id_field="idx", gold="gsm8k",
+                  hub=HubSource("openai/gsm8k", "test", "question", "answer", config="main")),
+    BenchmarkSpec("math", "math", "math", ("math/test.jsonl",), "problem", 500, gold="plain",
+                  meta_fields=("level", "type", "subject")),
+    BenchmarkSpec("hotpotqa", "qa", "knowledge", ("hotpotqa/test.jsonl",), "question", 200, search_backend="server",
+                  hub=_flashrag("hotpotqa")),
+    BenchmarkSpec("2wiki", "qa", "knowledge", ("2wiki/test.jsonl",), "question", 200, search_backend="server",
+                  hub=_flashrag("2wikimultihopqa")),
+    BenchmarkSpec("musique", "qa", "knowledge", ("musique/test.jsonl",), "question", 200, search_backend="server",
+                  hub=_flashrag("musique")),
+    BenchmarkSpec("bamboogle", "qa", "knowledge", ("bamboogle/test.jsonl",), "question", 200,
+                  search_backend="server", hub=_flashrag("bamboogle")),
+    BenchmarkSpec("webwalker", "qa", "knowledge", ("webwalker/test.jsonl",), "question", 200, gold="plain",
+                  language="zh+en"),
+    BenchmarkSpec("gaia", "qa", "deepsearch", ("gaia/test.jsonl",), "Question", 200, id_field="task_id",
+                  gold="plain", meta_fields=("Level",),
+                  hub=HubSource("gaia-benchmark/GAIA", "validation", "Question", "Final answer", config="2023_all",
+                                id_field="task_id")),
+    BenchmarkSpec("hle", "qa", "deepsearch", ("hle/test.jsonl", "hle/top.json"), "question", 500, id_field="id",
+                  gold="plain", meta_fields=("answer_type", "category", "raw_subject"),
+                  skip_if=(("has_image", True),),
+                  hub=HubSource("cais/hle", "test", "question", "answer", id_field="id")),
+    BenchmarkSpec("simpleqa", "qa", "deepsearch", ("SimpleQA/test.jsonl", "simpleqa/test.jsonl"), "question", 200,
+                  hub=HubSource("basicv8vc/SimpleQA", "test", "problem", "answer")),
+    BenchmarkSpec("xbench", "qa", "deepsearch", ("xbench/test.jsonl",), "question", 200, language="zh"),
+    BenchmarkSpec("synthetic", "mixed", "generated", (), "question", 200, id_field="id", gold="plain",
+                  search_backend="local", meta_fields=("kind",)),
+]
+BENCHMARKS: dict[str, BenchmarkSpec] = {spec.name: spec for spec in _SPECS}
+
+
+@dataclass(frozen=True)
+class LoadedBenchmark:
+    spec: BenchmarkSpec
+    items: list[EvalItem]
+    content_hash: str
+    source: str = ""  # the file (or hub id) the rows came from
+    skipped: int = 0  # rows left out by `spec.skip_if`
+
+
+def get_spec(name: str) -> BenchmarkSpec:
+    if name not in BENCHMARKS:
+        import difflib
+
+        close = difflib.get_close_matches(name, BENCHMARKS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown benchmark {name!r}.{hint} Known: {sorted(BENCHMARKS)}")
+    return BENCHMARKS[name]
+
+
+def load_benchmark(name: str, data_root: str | Path, cap: int | None = None,
+                   synthetic_path: str | Path | None = None) -> LoadedBenchmark:
+    """Load, map and cap one benchmark. `cap=None` applies the spec's default cap; the first rows are kept."""
+    spec = get_spec(name)
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap must be >= 1 (got {cap}); use None for the benchmark default ({spec.default_cap})")
+    rows, source = _read_rows(spec, Path(data_root), synthetic_path)
+    items: list[EvalItem] = []
+    skipped = 0
+    limit = cap if cap is not None else spec.default_cap
+    for index, row in enumerate(rows):
+        if any(row.get(key) == value for key, value in spec.skip_if):
+            skipped += 1
+            continue
+        if len(items) >= limit:
+            break
+        items.append(_to_item(spec, row, index, source))
+    if skipped:
+        log.info("%s: left out %d rows matching %s", name, skipped, spec.skip_if)
+    content_hash = hash_value(name, [[i.id, i.question, list(i.golds), i.task_type] for i in items])
+    return LoadedBenchmark(spec=spec, items=items, content_hash=content_hash, source=source, skipped=skipped)
+
+
+def _to_item(spec: BenchmarkSpec, row: dict[str, Any], index: int, source: str) -> EvalItem:
+    where = f"{source} row {index + 1}"
+    question = row.get(spec.question_field)
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"{where}: field {spec.question_field!r} (the {spec.name} question) is missing or empty; "
+                         f"row has fields {sorted(row)}")
+    if spec.answer_field not in row or row[spec.answer_field] is None:
+        raise ValueError(f"{where}: field {spec.answer_field!r} (the gold answer) is missing; row has {sorted(row)}")
+    try:
+        golds = GOLD_PARSERS.get(spec.gold)(row[spec.answer_field])
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+    if not golds:
+        raise ValueError(f"{where}: gold answer {row[spec.answer_field]!r} is empty after parsing; fix the row")
+    task_type = spec.task_type
+    if task_type == "mixed":
+        task_type = str(row.get("kind", ""))
+        if task_type not in TASK_TYPES:
+            raise ValueError(f"{where}: field 'kind' must be one of {TASK_TYPES}, got {row.get('kind')!r}")
+    raw_id = row.get(spec.id_field) if spec.id_field else None
+    item_id = str(raw_id) if raw_id not in (None, "") else f"{spec.name}-{index}"
+    meta = {key: row[key] for key in spec.meta_fields if key in row}
+    return EvalItem(id=item_id, question=question.strip(), golds=golds, task_type=task_type, meta=meta)
+
+
+# --------------------------------------------------------------------------------------------- reading
+def _read_rows(spec: BenchmarkSpec, data_root: Path, synthetic_path: str | Path | None
+               ) -> tuple[list[dict[str, Any]], str]:
+    if spec.name == "synthetic":
+        if synthetic_path is None:
+            raise FileNotFoundError("benchmark 'synthetic' is the data stage's generated set: pass its file, "
+                                    "load_benchmark('synthetic', data_root, synthetic_path=dataset.file('eval_test'))")
+        return _read_json_lines(Path(synthetic_path)), str(synthetic_path)
+    for rel in spec.files:
+        path = data_root / rel
+        if path.is_file():
+            return _read_json_lines(path), str(path)
+    expected = data_root / spec.files[0]
+    if spec.hub is not None and os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("1", "true", "True"):
+        return _read_hub(spec, expected)
+    hub = (f" or go online (unset HF_DATASETS_OFFLINE) to use the hub copy {spec.hub.dataset!r}"
+           if spec.hub else "")
+    raise FileNotFoundError(f"benchmark {spec.name!r}: no file at {expected} (eval.data_root={data_root}). "
+                            f"Put its JSONL there with fields {spec.question_field!r} and {spec.answer_field!r}{hub}.")
+
+
+def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """JSON lines (also under a .json name, as HLE's top.json), or one JSON array; bad lines name file and line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        rows = json.loads(text)
+    else:
+        rows = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")
+    return rows
+
+
+def _read_hub(spec: BenchmarkSpec, expected: Path) -> tuple[list[dict[str, Any]], str]:
+    """The documented fallback: the hub copy, with its field names mapped onto the spec's."""
+    import datasets
+
+    hub = spec.hub
+    assert hub is not None
+    try:
+        table = datasets.load_dataset(hub.dataset, hub.config, split=hub.split)
+    except Exception as err:  # offline, gated (GAIA) or renamed: say what to do instead
+        raise FileNotFoundError(f"benchmark {spec.name!r}: no file at {expected} and the hub copy {hub.dataset!r} "
+                                f"could not be loaded ({type(err).__name__}: {err}). Put the JSONL file there.") from err
+    rows = []
+    for record in table:
+        row = dict(record)
+        row[spec.question_field] = record[hub.question_field]
+        row[spec.answer_field] = record[hub.answer_field]
+        if hub.id_field and spec.id_field:
+            row[spec.id_field] = record[hub.id_field]
+        if spec.name == "hle" and row.get("image"):
+            row["has_image"] = True
+        rows.append(row)
+    return rows, f"hf://{hub.dataset}/{hub.config or ''}:{hub.split}"

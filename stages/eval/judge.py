@@ -1,0 +1,195 @@
+"""LLM-as-judge over any OpenAI-compatible endpoint, with the reference's prompt and parse rule.
+
+Prompt (research/arpo.md 8.3, ARPO `llm_evaluator_sds.py`): the question, the golden answer(s) and the predicted
+answer; the judge replies "Correct" or "Incorrect". Parse: an optional `<judgment>...</judgment>` span is read
+if present, else the whole reply (with any `<think>...</think>` block dropped first, so a reasoning judge's
+musings do not count); the reply says correct iff it contains "correct" and none of "incorrect", "wrong",
+"not correct". The sample's `llm_equal` is then `rule_equiv OR reply-says-correct`, as in the reference.
+
+Calls go through the official `openai` client, retried with exponential backoff (tenacity); a call that still
+fails falls back to the rule verdict and is recorded as an error (never cached). Verdicts are cached in SQLite
+under the cache root, keyed by (question, golds, prediction, judge model identity, prompt hash), so a re-score
+makes no judge calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.core.config.eval import JudgeSection
+from stages.core.log import get_logger, progress
+from stages.core.refs import EndpointRef
+
+log = get_logger(__name__)
+
+JUDGE_PROMPT = (
+    "Given a Question and its Golden Answer, verify whether the Predicted Answer is correct. The prediction is "
+    "correct if it fully aligns with the meaning and key information of the Golden Answer. Respond with "
+    "\"Correct\" if the prediction is correct and \"Incorrect\" otherwise. Golden Answer may have multiple "
+    "options, and matching any one of them is considered correct.\n\n"
+    "Question: {question}\nGolden Answer: {gold}\nPredicted Answer: {prediction}"
+)
+PROMPT_HASH = hashlib.sha256(JUDGE_PROMPT.encode()).hexdigest()[:16]
+NEGATIONS = ("incorrect", "wrong", "not correct")
+_JUDGMENT = re.compile(r"<judgment>(.*?)</judgment>", re.S | re.I)
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.S | re.I)
+
+
+def format_prompt(question: str, golds: tuple[str, ...] | list[str], prediction: str) -> str:
+    gold = golds[0] if len(golds) == 1 else str(list(golds))
+    return JUDGE_PROMPT.format(question=question, gold=gold, prediction=prediction)
+
+
+def reply_says_correct(reply: str) -> bool:
+    """The reference's parse rule on the judge's reply alone (see the module docstring)."""
+    spans = _JUDGMENT.findall(reply)
+    text = spans[-1] if spans else _THINK.sub(" ", reply)
+    text = text.lower()
+    return "correct" in text and not any(word in text for word in NEGATIONS)
+
+
+def judge_identity(endpoint: EndpointRef) -> str:
+    """What the judge *is* (served name + weights fingerprint), never where it runs (URL/port)."""
+    return f"{endpoint.model}@{endpoint.model_fingerprint}" if endpoint.model_fingerprint else endpoint.model
+
+
+@dataclass(frozen=True)
+class JudgeRequest:
+    question: str
+    golds: tuple[str, ...]
+    prediction: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    says_correct: bool | None  # None when the judge could not be reached (then the rule decides)
+    reply: str
+    cached: bool
+    error: str | None = None
+
+
+class VerdictCache:
+    """SQLite verdict store; safe across threads and processes (WAL, one short transaction per write)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, judge TEXT, reply TEXT, "
+                           "correct INTEGER, created REAL)")
+        self._conn.commit()
+
+    @staticmethod
+    def key(request: JudgeRequest, identity: str, prompt_hash: str = PROMPT_HASH) -> str:
+        payload = json.dumps([request.question, list(request.golds), request.prediction, identity, prompt_hash],
+                             ensure_ascii=False)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def get(self, key: str) -> tuple[str, bool] | None:
+        with self._lock:
+            row = self._conn.execute("SELECT reply, correct FROM verdicts WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (row[0], bool(row[1]))
+
+    def put(self, key: str, identity: str, reply: str, correct: bool) -> None:
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?)",
+                               (key, identity, reply, int(correct), time.time()))
+            self._conn.commit()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._conn.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+class Judge:
+    """Judges (question, golds, prediction) triples against one endpoint, concurrently, through the cache."""
+
+    def __init__(self, endpoint: EndpointRef, cfg: JudgeSection, cache_path: str | Path) -> None:
+        self.endpoint = endpoint
+        self.cfg = cfg
+        self.identity = judge_identity(endpoint)
+        self.cache = VerdictCache(cache_path)
+        self.calls = 0  # requests actually sent (retries included)
+
+    def judge_many(self, requests: list[JudgeRequest]) -> list[Verdict]:
+        """Blocking wrapper; runs the async loop in a helper thread when one is already running here."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.ajudge_many(requests))
+        box: dict[str, list[Verdict]] = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", asyncio.run(self.ajudge_many(requests))))
+        worker.start()
+        worker.join()
+        return box["out"]
+
+    async def ajudge_many(self, requests: list[JudgeRequest]) -> list[Verdict]:
+        from stages.eval.serving import async_client
+
+        client = async_client(self.endpoint, timeout_s=self.cfg.timeout_s, max_retries=0)  # tenacity retries
+        limit = asyncio.Semaphore(self.cfg.concurrency)
+        try:
+            with progress() as bar:
+                task = bar.add_task(f"judge ({self.endpoint.model})", total=len(requests))
+
+                async def one(request: JudgeRequest) -> Verdict:
+                    async with limit:
+                        verdict = await self._judge_one(client, request)
+                    bar.advance(task)
+                    return verdict
+
+                return list(await asyncio.gather(*(one(r) for r in requests)))
+        finally:
+            await client.close()
+
+    async def _judge_one(self, client, request: JudgeRequest) -> Verdict:
+        key = VerdictCache.key(request, self.identity)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return Verdict(says_correct=hit[1], reply=hit[0], cached=True)
+        try:
+            reply = await self._ask(client, format_prompt(request.question, request.golds, request.prediction))
+        except Exception as err:  # after retries: the rule decides, nothing is cached
+            message = f"{type(err).__name__}: {err}"
+            log.warning("judge call failed after %d attempts (%s); using the rule verdict", self.cfg.max_retries,
+                        message[:200])
+            return Verdict(says_correct=None, reply="", cached=False, error=message)
+        correct = reply_says_correct(reply)
+        self.cache.put(key, self.identity, reply, correct)
+        return Verdict(says_correct=correct, reply=reply, cached=False)
+
+    async def _ask(self, client, prompt: str) -> str:
+        import openai
+        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.cfg.max_retries),
+            wait=wait_exponential(multiplier=self.cfg.retry_backoff_s, max=30),
+            retry=retry_if_exception_type((openai.APIConnectionError, openai.APITimeoutError,
+                                           openai.InternalServerError, openai.RateLimitError, ValueError)),
+            reraise=True)
+        async for attempt in retrying:
+            with attempt:
+                self.calls += 1
+                response = await client.chat.completions.create(
+                    model=self.endpoint.model, messages=[{"role": "user", "content": prompt}],
+                    temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
+                content = response.choices[0].message.content if response.choices else None
+                if content is None:
+                    raise ValueError("judge returned no message content")
+                return content
+        raise AssertionError("unreachable: tenacity re-raises the last error")

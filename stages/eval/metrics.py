@@ -1,0 +1,137 @@
+"""Per-sample rule metrics and the reference's aggregate figures.
+
+- QA: `em`, `f1` (SQuAD normalisation, max over list golds: stages.agent.scoring) and `acc` (cover match: a
+  normalised gold occurs inside the normalised prediction, the reference's `acc`).
+- Math: `math_equal` with math-verify, run in a **process pool**: math-verify enforces its timeouts with
+  `signal.alarm`, which only works in a main thread, and a pool worker runs each task in its main thread.
+- `effective_prediction`: the reference scores the last 5 lines of the output when no answer was extracted.
+- `tool_productivity`: the reference's figure final_acc * calls / (calls + 0.1) * 100.
+
+Which per-sample value is "accuracy" (the paper's number) is decided in `sample_score`:
+math -> llm_equal with a judge, else math_equal; qa -> llm_equal with a judge, else F1. The binary `correct`
+used by pass@k is llm_equal with a judge, else math_equal (math) / EM (qa).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from stages.agent.scoring import exact_match, f1_score, math_equivalent, normalize_answer
+from stages.core.log import get_logger, progress
+
+log = get_logger(__name__)
+
+FALLBACK_LINES = 5
+
+
+def cover_match(prediction: str | None, golds: Sequence[str]) -> float:
+    """1.0 when some normalised gold is a substring of the normalised prediction ("acc" in the reference)."""
+    if not prediction:
+        return 0.0
+    pred = normalize_answer(prediction)
+    return float(any(normalize_answer(g) and normalize_answer(g) in pred for g in golds))
+
+
+def effective_prediction(prediction: str | None, output: str | None) -> tuple[str, bool]:
+    """(text to score, used_fallback). An empty prediction falls back to the output's last 5 non-empty lines."""
+    if prediction is not None and prediction.strip():
+        return prediction.strip(), False
+    lines = [line for line in (output or "").splitlines() if line.strip()]
+    return "\n".join(lines[-FALLBACK_LINES:]), True
+
+
+def qa_metrics(prediction: str, golds: Sequence[str]) -> dict[str, float]:
+    if not prediction:
+        return {"em": 0.0, "f1": 0.0, "acc": 0.0}
+    golds = list(golds)
+    return {"em": exact_match(prediction, golds), "f1": f1_score(prediction, golds),
+            "acc": cover_match(prediction, golds)}
+
+
+def sample_score(task_type: str, metrics: dict[str, float], judged: bool) -> tuple[float, float]:
+    """(accuracy score in [0, 1], binary correct) for one sample, per the documented rule."""
+    if judged:
+        value = float(metrics["llm_equal"])
+        return value, value
+    if task_type == "math":
+        value = float(metrics["math_equal"])
+        return value, value
+    return float(metrics["f1"]), float(metrics["em"])
+
+
+def tool_productivity(final_acc: float, mean_tool_calls: float) -> float:
+    """The reference's `tool_productivity` (= m1m2): final_acc * calls / (calls + 0.1) * 100."""
+    return final_acc * mean_tool_calls / (mean_tool_calls + 0.1) * 100.0
+
+
+def _math_worker(prediction: str, golds: tuple[str, ...], timeout_s: float) -> bool:
+    return math_equivalent(prediction, list(golds), timeout_s=timeout_s)
+
+
+@dataclass(frozen=True)
+class MathResult:
+    equal: bool
+    error: str | None = None
+
+
+class MathVerifier:
+    """math-verify in a pool of spawned processes; a hung item is cut off and scored False with an error.
+
+    `with MathVerifier(workers=2) as mv: mv.check([(pred, golds), ...])`. An item gets math-verify's own
+    timeouts (one parse per text, one verify per gold) plus `slack_s`; past that its pool is killed and
+    restarted for the items after it, so one pathological expression cannot stall the rest.
+    `worker` (a module-level function, it is pickled by name) exists for tests.
+    """
+
+    def __init__(self, workers: int = 2, timeout_s: float = 5.0, slack_s: float = 30.0,
+                 worker: Callable[[str, tuple[str, ...], float], bool] | None = None) -> None:
+        self.workers = max(1, workers)
+        self.timeout_s = timeout_s
+        self.slack_s = slack_s
+        self.worker = worker or _math_worker
+        self._pool = None
+
+    def __enter__(self) -> MathVerifier:
+        self._pool = multiprocessing.get_context("spawn").Pool(processes=self.workers)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def check(self, pairs: Sequence[tuple[str, Sequence[str]]]) -> list[MathResult]:
+        if self._pool is None:
+            raise RuntimeError("MathVerifier.check called outside `with MathVerifier(...) as mv:`")
+        results: list[MathResult | None] = [None] * len(pairs)
+        start = 0
+        with progress() as bar:
+            task = bar.add_task("math-verify", total=len(pairs))
+            while start < len(pairs):
+                start = self._run_from(pairs, start, results, lambda: bar.advance(task))
+        return [r if r is not None else MathResult(False, "not run") for r in results]
+
+    def _run_from(self, pairs: Sequence[tuple[str, Sequence[str]]], start: int, results: list,
+                  advance: Callable[[], None]) -> int:
+        """Submit pairs[start:], collect them in order; on a hang restart the pool and return where to resume."""
+        pending = [(i, self._pool.apply_async(self.worker, (pairs[i][0], tuple(pairs[i][1]), self.timeout_s)))
+                   for i in range(start, len(pairs))]
+        for i, future in pending:
+            limit = self.timeout_s * (2 * len(pairs[i][1]) + 1) + self.slack_s
+            try:
+                results[i] = MathResult(bool(future.get(timeout=limit)))
+            except multiprocessing.TimeoutError:
+                log.warning("math-verify gave no answer in %.0f s for %r; scored as not equal, pool restarted",
+                            limit, pairs[i][0][:80])
+                results[i] = MathResult(False, f"math-verify timed out after {limit:g} s")
+                advance()
+                self.__exit__()
+                self.__enter__()
+                return i + 1
+            except Exception as err:  # a crash inside math-verify on odd input scores False, with a note
+                results[i] = MathResult(False, f"{type(err).__name__}: {err}")
+            advance()
+        return len(pairs)
