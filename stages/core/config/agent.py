@@ -8,28 +8,45 @@ from stages.core.config.section import Section
 
 
 class PythonToolSection(Section):
-    """Limits of the python sandbox that runs model-written code."""
+    """Limits of the python sandbox that runs model-written code (stages/agent/sandbox.py)."""
 
-    sandbox: Literal["auto", "bwrap", "rlimit"] = Field("auto", description="auto = bubblewrap when installed")
+    sandbox: Literal["auto", "bwrap", "rlimit"] = Field(
+        "auto", description="auto = bubblewrap when installed and working, else the rlimit fallback")
+    python_executable: str | None = Field(
+        None, description="interpreter that runs the code (needs numpy and sympy); None = the pipeline's own")
+    preload: list[str] = Field(
+        default_factory=lambda: ["numpy", "sympy"],
+        description="modules imported before the code arrives (warm interpreters); imports of them are free")
     timeout_s: float = Field(10.0, gt=0, description="wall-clock limit per call")
-    cpu_s: int = Field(10, gt=0)
-    memory_mb: int = Field(1024, gt=0)
-    max_processes: int = Field(32, gt=0)
-    max_file_mb: int = Field(16, gt=0)
+    startup_timeout_s: float = Field(60.0, gt=0, description="wait for an interpreter to finish its preloads")
+    cpu_s: int = Field(10, gt=0, description="CPU seconds for the code (RLIMIT_CPU, beyond the preloads)")
+    memory_mb: int = Field(1024, gt=0, description="address space for the code (RLIMIT_AS, beyond the preloads)")
+    max_processes: int = Field(32, gt=0, description="processes+threads (RLIMIT_NPROC, counted per sandbox)")
+    max_file_mb: int = Field(16, gt=0, description="largest file the code may write, stdout included")
     max_open_files: int = Field(64, gt=0)
-    max_output_chars: int = Field(4000, gt=0)
+    workdir_mb: int = Field(64, gt=0, description="size of the sandbox's tmpfs working dir and /tmp (bwrap)")
+    max_output_chars: int = Field(4000, gt=0, description="stdout/stderr kept per call (head and tail)")
+    max_code_chars: int = Field(100_000, gt=0, description="longer code is refused without running")
     pool_size: int = Field(2, ge=0, description="pre-started interpreters; 0 = cold start per call")
+    uid_base: int = Field(
+        1_800_000_000, ge=1000,
+        description="when the pipeline runs as root, each call drops to a fresh uid in [uid_base, uid_base+100000)")
 
 
 class WebSearchSection(Section):
+    """Bing-compatible SERP API (Bright Data by default, as the reference)."""
+
     provider: Literal["brightdata"] = "brightdata"
     endpoint: str = "https://api.brightdata.com/request"
     api_key_env: str = Field("BRIGHTDATA_API_KEY", description="environment variable holding the key")
     secret_block: str | None = Field(None, description="Prefect Secret block name, tried when the env var is unset")
-    zone: str = "serp_api1"
-    requests_per_second: float = 2.0
-    retries: int = 3
-    timeout_s: float = 60.0
+    zone: str = Field("serp_api1", description="Bright Data zone of the SERP API")
+    search_url: str = Field("https://www.bing.com/search", description="SERP page Bright Data fetches")
+    market: str = Field("en-US", description="Bing mkt; setLang is its language part")
+    country: str = Field("us", description="Bright Data cc (country of the exit node)")
+    requests_per_second: float = Field(2.0, gt=0)
+    retries: int = Field(3, ge=1, description="attempts per query (exponential backoff on errors and 429/5xx)")
+    timeout_s: float = Field(60.0, gt=0)
 
 
 class SearchSection(Section):
@@ -38,6 +55,7 @@ class SearchSection(Section):
     max_chars_per_passage: int = Field(1000, ge=1)
     corpus_path: str | None = Field(None, description="FlashRAG JSONL; None = the generated corpus")
     server_url: str | None = Field(None, description="retrieval server base URL (backend=server)")
+    server_timeout_s: float = Field(30.0, gt=0, description="HTTP timeout of the retrieval server client")
     replay_path: str | None = Field(None, description="{query: result} JSON (backend=replay)")
     web: WebSearchSection = WebSearchSection()
 
@@ -46,11 +64,33 @@ class ToolLimitsSection(Section):
     max_calls: int = Field(5, ge=0, description="total tool calls per trajectory")
     max_python: int | None = Field(None, ge=0, description="per-tool cap; None = only the total applies")
     max_search: int | None = Field(None, ge=0)
+    reject_repeated_queries: bool = Field(
+        True, description="a search query already made in this trajectory gets a 'refer to previous results' note")
 
 
 class ToolCacheSection(Section):
     enabled: bool = True
     path: str | None = Field(None, description="SQLite file; None = <cache_root>/tool_cache.sqlite")
+    tools: list[Literal["search", "python"]] = Field(
+        default_factory=lambda: ["search", "python"], description="tools whose successful results are cached")
+
+
+class InferenceToolsSection(Section):
+    """Tool-Star inference-time tools (research/arpo.md 5.5); each needs an OpenAI-compatible helper LLM."""
+
+    debugger: bool = Field(False, description="on a python error an LLM rewrites the code once and it reruns")
+    rollback: bool = Field(False, description="on a python error cut back before the <python> and regenerate")
+    refiner: bool = Field(False, description="compress the response when prompt+response pass the threshold")
+    max_debug: int = Field(1, ge=0)
+    max_rollback: int = Field(1, ge=0)
+    max_refine: int = Field(1, ge=0)
+    refine_threshold_tokens: int = Field(8192, ge=1)
+    llm_url: str | None = Field(None, description="base URL of the helper LLM (…/v1); None = the served policy")
+    llm_model: str | None = Field(None, description="model name at llm_url")
+    api_key_env: str | None = Field(None, description="environment variable with the helper's key, if any")
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(2048, ge=1)
+    timeout_s: float = Field(120.0, gt=0)
 
 
 class AgentSection(Section):
@@ -61,3 +101,5 @@ class AgentSection(Section):
     search: SearchSection = SearchSection()
     limits: ToolLimitsSection = ToolLimitsSection()
     cache: ToolCacheSection = ToolCacheSection()
+    inference: InferenceToolsSection = InferenceToolsSection()
+    concurrency: int = Field(4, ge=1, description="tool calls run at once by ToolBox.execute_many")

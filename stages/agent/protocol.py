@@ -1,0 +1,203 @@
+"""The tool-integrated reasoning (TIR) text protocol: pure functions, no I/O.
+
+Tags (research/arpo.md 4.1): `<think>…</think>`, `<search>query</search>`, `<python>code</python>`, the
+environment's `<result>…</result>`, and `<answer>… \\boxed{X} …</answer>`. Generation stops at a closing tool
+tag (`STOP_TAGS`); the caller runs the tool and appends `render_result(text)`.
+
+Every function here accepts arbitrary model output (truncated, nested, mismatched tags) without raising.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+STOP_TAGS: tuple[str, ...] = ("</search>", "</python>")
+ANSWER_STOP = "</answer>"
+TOOLS: tuple[str, ...] = ("search", "python")
+
+# Feedback the environment gives inside <result> instead of silently stopping (ARPO eval `completion` modes).
+LIMIT_MESSAGES = {
+    "python": "The maximum python call limit is exceeded. You are not allowed to use python.",
+    "search": "The maximum search call limit is exceeded. You are not allowed to use search.",
+    "total": "The maximum tool call limit is exceeded. You are not allowed to call tools anymore; "
+             "give your final answer.",
+}
+REPEAT_MESSAGE = "You have searched this query. Please refer to previous results."
+EMPTY_MESSAGES = {
+    "search": "The search query is empty. Write the query between <search> and </search>.",
+    "python": "The python code is empty. Write the code between <python> and </python>.",
+}
+
+_RESULT_BLOCK = re.compile(r"<result>.*?(?:</result>|\Z)", re.DOTALL)
+_BOX_OPENERS = ("\\boxed{", "\\fbox{", "\x08oxed{")  # 0x08: the reference data's "\b"oxed quirk
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    tool: str  # one of TOOLS
+    argument: str  # the query or the code, stripped of surrounding whitespace
+
+
+@dataclass(frozen=True)
+class FormatCheck:
+    ok: bool
+    reason: str
+
+
+def _last_segment(text: str) -> str:
+    """The text the model wrote after the last environment result (a tool call must be there)."""
+    end = text.rfind("</result>")
+    return text[end + len("</result>"):] if end >= 0 else text
+
+
+def parse_tool_call(text: str, stop: str | None = None) -> ToolCall | None:
+    """The tool call that ends `text`, or None.
+
+    `text` is model output up to a stop; it may or may not end with the closing tag (servers strip the
+    matched stop string). `stop`, when given (e.g. vLLM's `stop_reason`), names the tag that fired.
+    Without `stop` the closing tag at the end of `text`, else the last opening tag that is still open in the
+    last model segment, decides. The argument is the text after the last matching opening tag.
+    `<python>x</search>` (mismatched) and text without an open call give None.
+    """
+    segment = _last_segment(text).rstrip()
+    if stop is not None and stop not in STOP_TAGS:
+        return None
+    for tool in TOOLS:
+        close = f"</{tool}>"
+        if (stop == close) or (stop is None and segment.endswith(close)):
+            body = segment.removesuffix(close)
+            start = body.rfind(f"<{tool}>")
+            if start < 0:
+                return None
+            return ToolCall(tool, body[start + len(tool) + 2:].strip())
+    if stop is not None:
+        return None
+    # closing tag stripped by the server: the latest opening tag that has no closing tag after it
+    best: tuple[int, str] | None = None
+    for tool in TOOLS:
+        start = segment.rfind(f"<{tool}>")
+        if start >= 0 and f"</{tool}>" not in segment[start:] and (best is None or start > best[0]):
+            best = (start, tool)
+    if best is None:
+        return None
+    start, tool = best
+    return ToolCall(tool, segment[start + len(tool) + 2:].strip())
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...] = STOP_TAGS + (ANSWER_STOP,)) -> tuple[str, str | None]:
+    """Truncate `text` right after the first stop tag; return (text, stop or None).
+
+    For servers that ignore stop sequences (ARPO eval bug 8.5.4): the client cuts the output itself.
+    """
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return text, None
+    pos, stop = min(hits)
+    return text[: pos + len(stop)], stop
+
+
+def render_result(text: str) -> str:
+    """The environment's insertion after a tool call, in the RL/training form (leading space, newlines)."""
+    return f" <result>\n{text}\n</result>"
+
+
+def render_result_compact(text: str) -> str:
+    """The ARPO evaluation form `<result>{text}</result>` (no spaces or newlines)."""
+    return f"<result>{text}</result>"
+
+
+def _boxed_contents(text: str, openers: tuple[str, ...] = _BOX_OPENERS) -> list[str]:
+    """Contents of every complete `\\boxed{…}` (balanced braces) in order; unbalanced ones are skipped."""
+    found: list[tuple[int, str]] = []
+    for opener in openers:
+        start = text.find(opener)
+        while start >= 0:
+            depth, i = 1, start + len(opener)
+            while i < len(text) and depth:
+                depth += {"{": 1, "}": -1}.get(text[i], 0)
+                i += 1
+            if depth == 0:
+                found.append((start, text[start + len(opener): i - 1]))
+            start = text.find(opener, start + 1)
+    return [content for _, content in sorted(found)]
+
+
+def _answer_span(text: str) -> str | None:
+    """Content of the last <answer>…</answer>; an unclosed last <answer> runs to the end of the text."""
+    start = text.rfind("<answer>")
+    if start < 0:
+        return None
+    body = text[start + len("<answer>"):]
+    end = body.find("</answer>")
+    return body if end < 0 else body[:end]
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a response, or None.
+
+    1. the last complete `\\boxed{…}` inside the last `<answer>` span (unclosed `<answer>` = to the end);
+    2. else the stripped `<answer>` span itself when it is non-empty (an answer written without \\boxed);
+    3. else (no `<answer>` tag) the last `\\boxed{…}` outside `<result>` blocks;
+    4. else None.
+    The reward uses `check_format` first, so fallbacks 2-3 only matter for evaluation of sloppy outputs.
+    """
+    span = _answer_span(text)
+    if span is not None:
+        boxes = _boxed_contents(span)
+        if boxes:
+            return boxes[-1].strip()
+        span = span.strip()
+        if span:
+            return span
+    if span is None:
+        boxes = _boxed_contents(_RESULT_BLOCK.sub("", text))
+        if boxes:
+            return boxes[-1].strip()
+    return None
+
+
+def _pairs_ok(text: str, tool: str) -> str | None:
+    """Every `<tool>` must be followed, in order, by `</tool>`, `<result>`, `</result>` (reference rule)."""
+    pos = 0
+    while (start := text.find(f"<{tool}>", pos)) >= 0:
+        close = text.find(f"</{tool}>", start)
+        res = text.find("<result>", start)
+        res_end = text.find("</result>", res) if res >= 0 else -1
+        if -1 in (close, res, res_end):
+            return f"{tool}/result tags are incomplete"
+        if not start < close < res < res_end:
+            return f"{tool}/result tags are nested in the wrong order"
+        pos = res_end
+    return None
+
+
+def check_format(response: str) -> FormatCheck:
+    """The reference format contract (research/arpo.md 4.1, `deep_research.py::validate_format`).
+
+    `response` is the decoded response only (no prompt). Only a literal `\\boxed{…}` with balanced braces
+    counts (the reference accepts `\\boxed{` plus any `}` but then fails to extract an unbalanced box and
+    scores -1 anyway, so the reward is the same).
+    """
+    if response.count("<think>") != response.count("</think>"):
+        return FormatCheck(False, "<think> </think> not paired")
+    if response.count("<think>") == 0:
+        return FormatCheck(False, "<think> or </think> not found")
+    if response.count("<answer>") != 1 or response.count("</answer>") != 1:
+        return FormatCheck(False, "<answer> or </answer> not found exactly once")
+    for tool in TOOLS:
+        problem = _pairs_ok(response, tool)
+        if problem:
+            return FormatCheck(False, problem)
+    start, end = response.find("<answer>"), response.find("</answer>")
+    if start > end:
+        return FormatCheck(False, "<answer> must be before </answer>")
+    if not _boxed_contents(response[start:end], ("\\boxed{",)):
+        return FormatCheck(False, "answer is missing \\boxed{} format")
+    return FormatCheck(True, "format is correct")
+
+
+def count_tool_calls(response: str) -> dict[str, int]:
+    """Complete `<tool>…</tool>` pairs per tool, ignoring anything inside `<result>` blocks."""
+    text = _RESULT_BLOCK.sub("", response)
+    return {tool: len(re.findall(rf"<{tool}>.*?</{tool}>", text, re.DOTALL)) for tool in TOOLS}

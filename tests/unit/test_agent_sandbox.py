@@ -1,0 +1,184 @@
+"""The python sandbox: code preparation, and escape attempts that must fail under bwrap and the rlimit fallback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from stages.agent.sandbox import PythonSandbox, resolve_mode
+from stages.agent.sandbox_spec import clip_output, prepare_code, strip_fences
+from stages.core.config.agent import PythonToolSection
+
+# Small limits keep every test within a few seconds; no numpy/sympy preload except where tested.
+LIMITS = {"timeout_s": 4.0, "cpu_s": 2, "memory_mb": 256, "max_processes": 16, "max_file_mb": 2,
+          "max_output_chars": 500, "pool_size": 1, "preload": []}
+
+
+def _bwrap_problem() -> str | None:
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed (apt-get install -y bubblewrap)"
+    mode, reason = resolve_mode(PythonToolSection(sandbox="auto"))
+    return None if mode == "bwrap" else reason
+
+
+MODES = [pytest.param("bwrap", marks=pytest.mark.skipif(_bwrap_problem() is not None,
+                                                        reason=f"bwrap unusable: {_bwrap_problem()}")),
+         "rlimit"]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def sandbox(request, tmp_path_factory):
+    host = tmp_path_factory.mktemp(f"host-{request.param}")
+    box = PythonSandbox(PythonToolSection(sandbox=request.param, **LIMITS), host_tmp=host)
+    yield box
+    box.close()
+    # every per-call host folder is gone once the sandbox is closed
+    assert list(host.iterdir()) == []
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = Path(f"/proc/{entry}/status").read_text()
+            except OSError:
+                continue
+            count += any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in status.splitlines())
+    return count
+
+
+# ---- pure parts -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("code, expected", [
+    ("x = 2\nx * 21", "x = 2\nprint(x * 21)\n"),
+    ("print(1)", "print(1)"),  # already a print
+    ("x = 1", "x = 1"),  # last statement is not an expression
+    ("a = 1; a", "a = 1; print(a)\n"),
+    ("y = [1,\n 2]\nsum(y)", "y = [1,\n 2]\nprint(sum(y))\n"),
+    ("def f(:\n  1", "def f(:\n  1"),  # syntax error: left for the interpreter to report
+    ("```python\nx = 3\nx\n```", "x = 3\nprint(x)\n"),
+])
+def test_prepare_code(code, expected):
+    assert prepare_code(code) == expected
+
+
+def test_strip_fences_and_clip():
+    assert strip_fences("```\nprint(1)\n```") == "print(1)"
+    assert strip_fences("```bash\nls\n```") == "```bash\nls\n```"  # not python: untouched
+    text, cut = clip_output("a" * 30 + "b" * 30, 30)
+    # head = 2*30//3 = 20 a's, tail = 30//3 = 10 b's, 60-30 = 30 characters cut
+    assert cut and text == "a" * 20 + "\n... [30 characters cut] ...\n" + "b" * 10
+    assert clip_output("short", 30) == ("short", False)
+
+
+# ---- behaviour in both modes ------------------------------------------------------------------------------
+def test_last_expression_and_errors(sandbox):
+    result = sandbox.run("x = 6\nx * 7")
+    assert result.status == "ok" and result.text == "42"
+    assert result.meta["sandbox"] == sandbox.mode
+    error = sandbox.run("1/0")
+    assert error.status == "error" and "ZeroDivisionError: division by zero" in error.text
+    # the runner's own frames are not in the traceback
+    assert "sandbox_runner" not in error.text and 'File "<python>", line 1' in error.text
+    syntax = sandbox.run("def f(:")
+    assert syntax.status == "error" and "SyntaxError" in syntax.text
+    assert sandbox.run("import sys; sys.exit(3)").returncode == 3
+
+
+def test_fresh_state_per_call(sandbox):
+    sandbox.run("open('left_behind.txt', 'w').write('x'); import builtins; builtins.LEAK = 1")
+    again = sandbox.run("import os, builtins\nprint(os.listdir('.'), hasattr(builtins, 'LEAK'))")
+    assert again.text == "[] False"
+
+
+def test_escape_read_host_file(sandbox, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    secret.chmod(0o600)
+    result = sandbox.run(f"print(open({str(secret)!r}).read())")
+    assert result.status == "error"
+    assert "TOP-SECRET" not in result.text
+    assert "FileNotFoundError" in result.text or "PermissionError" in result.text
+
+
+def test_escape_write_outside(sandbox, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "pwned.txt"
+    result = sandbox.run(f"open({str(target)!r}, 'w').write('pwned')")
+    assert result.status == "error"
+    assert not target.exists()
+
+
+def test_escape_network(sandbox):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        result = sandbox.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                             "print('CONNECTED')")
+    finally:
+        server.close()
+    assert result.status == "error" and "CONNECTED" not in result.text
+    assert result.meta["network"] == "isolated"
+
+
+def test_escape_fork_bomb(sandbox):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    start = time.monotonic()
+    result = sandbox.run(code)
+    assert time.monotonic() - start < LIMITS["timeout_s"] + 10
+    assert result.status in {"timeout", "cpu_limit"}
+    if result.meta.get("uid") is not None:
+        assert _processes_of(result.meta["uid"]) == 0  # nothing of the bomb survives the call
+
+
+def test_escape_memory(sandbox):
+    result = sandbox.run("block = bytearray(8 * 1024**3)\nprint('ALLOCATED')")  # 8 GiB vs a 256 MiB limit
+    assert result.status == "error" and "MemoryError" in result.text and "ALLOCATED" not in result.text
+
+
+def test_escape_infinite_loop(sandbox):
+    start = time.monotonic()
+    result = sandbox.run("while True:\n    pass")
+    assert result.status in {"timeout", "cpu_limit"}
+    assert time.monotonic() - start < LIMITS["timeout_s"] + 10
+    assert "timed out" in result.text or "CPU time limit" in result.text
+
+
+def test_escape_print_gigabytes(sandbox):
+    result = sandbox.run("line = 'x' * 1_000_000\nwhile True:\n    print(line)")
+    # stdout is a file under RLIMIT_FSIZE (2 MiB here): the write fails with EFBIG, the loop ends
+    assert result.status == "error" and "File too large" in result.text
+    assert result.meta["output_limit_hit"] and result.meta["truncated"]
+    assert len(result.stdout) < LIMITS["max_output_chars"] + 100
+
+
+def test_refuses_huge_code(sandbox):
+    result = sandbox.run("x = 1\n" * 20_000)  # 120,000 chars > max_code_chars 100,000
+    assert result.status == "refused" and "limit" in result.text
+
+
+def test_numpy_sympy_importable(tmp_path):
+    with PythonSandbox(PythonToolSection(**{**LIMITS, "preload": ["numpy", "sympy"], "timeout_s": 30.0,
+                                            "cpu_s": 20, "memory_mb": 1024}), host_tmp=tmp_path) as box:
+        result = box.run("import numpy as np, sympy as sp\nx = sp.symbols('x')\n"
+                         "print(int(np.arange(5).sum()), sp.solve(x**2 - 4, x))")
+    # 0+1+2+3+4 = 10; x^2 = 4 -> [-2, 2]
+    assert result.status == "ok" and result.text == "10 [-2, 2]"
+    assert result.meta["preload_failed"] == []
+
+
+def test_bwrap_hides_world_readable_files(tmp_path):
+    if _bwrap_problem():
+        pytest.skip(f"bwrap unusable: {_bwrap_problem()}")
+    public = Path(__file__).resolve()  # world-readable, in the project tree
+    with PythonSandbox(PythonToolSection(sandbox="bwrap", **LIMITS), host_tmp=tmp_path) as box:
+        result = box.run(f"print(open({str(public)!r}).read()[:20])")
+    assert result.status == "error" and "FileNotFoundError" in result.text

@@ -1,0 +1,140 @@
+"""ToolBox: limits, repeats, the shared cache, concurrency, metrics, the debugger path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from stages.agent.protocol import (
+    LIMIT_MESSAGES,
+    REPEAT_MESSAGE,
+    ToolCall,
+    parse_tool_call,
+    render_result,
+)
+from stages.agent.toolbox import MISS_MESSAGE, CallState, ToolBox
+from stages.core.config.agent import AgentSection
+from tests.unit.test_agent_inference import fake_openai
+from tests.unit.test_agent_search import DOCS, serve_in_thread
+
+PYTHON = {"pool_size": 1, "preload": [], "timeout_s": 10.0, "cpu_s": 5, "memory_mb": 256}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    return path
+
+
+def _config(**overrides) -> AgentSection:
+    data = {"python": PYTHON, "limits": {"max_calls": 4, "max_python": 2}, "search": {"top_k": 2}}
+    data.update(overrides)
+    return AgentSection.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def box(corpus, tmp_path_factory):
+    with ToolBox.from_config(_config(), str(corpus), str(tmp_path_factory.mktemp("cache"))) as toolbox:
+        yield toolbox
+
+
+def test_search_and_python_round_trip(box):
+    state = box.new_state()
+    call = parse_tool_call("<think>look it up</think> <search> capital of France")
+    result = box.execute(call, state)
+    # BM25 over DOCS: paris then berlin (top_k 2), each rendered on one 'Page i:' line
+    assert result.ok and result.text == ("Page 1: Paris Paris is the capital and largest city of France.\n"
+                                         "Page 2: Berlin Berlin is the capital of Germany.")
+    assert result.meta["ids"] == ["paris", "berlin"]
+    assert render_result(result.text).startswith(" <result>\nPage 1: Paris")
+    code = box.execute(ToolCall("python", "sum(range(10))"), state)
+    assert code.ok and code.text == "45" and code.meta["sandbox"] in ("bwrap", "rlimit")
+    assert state.counts == {"search": 1, "python": 1} and state.total == 2
+
+
+def test_limits_and_repeats(box):
+    state = box.new_state()
+    first = box.execute(ToolCall("search", "Westfield founder"), state)
+    again = box.execute(ToolCall("search", 'search query: "Westfield  founder"'), state)
+    assert first.ok and not again.ok and again.text == REPEAT_MESSAGE and again.meta["rejected"] == "repeated"
+    assert box.execute(ToolCall("python", "1"), state).ok
+    assert box.execute(ToolCall("python", "2"), state).ok
+    over_python = box.execute(ToolCall("python", "3"), state)  # max_python = 2
+    assert over_python.text == LIMIT_MESSAGES["python"] and over_python.meta["rejected"] == "limit:python"
+    over_total = box.execute(ToolCall("search", "mammal"), state)  # 4 calls counted: max_calls = 4
+    assert over_total.text == LIMIT_MESSAGES["total"]
+    assert (state.total, state.rejected) == (4, 2)
+    empty = box.execute(ToolCall("search", "  "), box.new_state())
+    assert not empty.ok and "empty" in empty.text
+
+
+def test_branch_copy_is_independent():
+    state = CallState(counts={"search": 1}, total=1, seen_queries={"q"})
+    branch = state.copy()
+    branch.counts["search"] += 1
+    branch.seen_queries.add("other")
+    assert state.counts == {"search": 1} and state.seen_queries == {"q"}
+
+
+def test_cache_shared_between_toolboxes(corpus, tmp_path):
+    cfg = _config()
+    with ToolBox.from_config(cfg, str(corpus), str(tmp_path)) as first:
+        assert not first.execute(ToolCall("search", "domestic cat"), first.new_state()).cached
+        assert not first.execute(ToolCall("python", "print(6 * 7)"), first.new_state()).cached
+    with ToolBox.from_config(cfg, str(corpus), str(tmp_path)) as second:
+        search = second.execute(ToolCall("search", "domestic cat"), second.new_state())
+        code = second.execute(ToolCall("python", "print(6 * 7)"), second.new_state())
+        failing = second.execute(ToolCall("python", "1/0"), second.new_state())
+        assert search.cached and code.cached and code.text == "42" and not failing.cached
+        metrics = second.metrics()
+        # two hits, one miss (1/0 was never stored: failures are not cached)
+        assert (metrics["cache_hits"], metrics["cache_misses"]) == (2.0, 1.0)
+        assert (metrics["calls"], metrics["errors"], metrics["python_calls"]) == (3.0, 1.0, 2.0)
+
+
+def test_execute_many_keeps_order_and_counts(box):
+    shared = box.new_state()
+    items = [(ToolCall("python", f"print({i} * {i})"), box.new_state()) for i in range(4)]
+    items += [(ToolCall("search", "capital"), shared), (ToolCall("search", "capital"), shared)]
+    results = box.execute_many(items)
+    assert [r.text for r in results[:4]] == ["0", "1", "4", "9"]
+    # the same query twice on one shared trajectory state: exactly one runs, the other is a repeat
+    assert sorted(r.meta.get("rejected", "ran") for r in results[4:]) == ["ran", "repeated"]
+    assert shared.total == 2
+
+
+def test_aexecute(box):
+    result = asyncio.run(box.aexecute(ToolCall("python", "print('async')"), box.new_state()))
+    assert result.ok and result.text == "async"
+
+
+def test_unavailable_tool_and_template(corpus, tmp_path):
+    with ToolBox.from_config(_config(prompt_template="tir_search"), str(corpus), str(tmp_path)) as search_only:
+        assert search_only.tools == ("search",) and search_only.sandbox is None
+        result = search_only.execute(ToolCall("python", "1"), search_only.new_state())
+        assert not result.ok and result.meta["rejected"] == "unavailable" and "not available" in result.text
+
+
+def test_replay_miss_is_reported(shared_data, tmp_path):
+    cfg = _config(prompt_template="tir_search",
+                  search={"backend": "replay", "replay_path": str(shared_data / "search_cache.json")})
+    with ToolBox.from_config(cfg, None, str(tmp_path)) as replay:
+        miss = replay.execute(ToolCall("search", "never recorded query 98765"), replay.new_state())
+        assert not miss.ok and miss.text == MISS_MESSAGE and miss.meta["miss"]
+        assert replay.metrics()["search_misses"] == 1.0
+
+
+def test_debugger_fixes_failing_code(corpus, tmp_path):
+    log: list = []
+    with serve_in_thread(fake_openai(lambda p: "```python\nprint(7 // 2)\n```", log)) as url:
+        cfg = _config(inference={"debugger": True, "llm_url": f"{url}/v1", "llm_model": "helper"})
+        with ToolBox.from_config(cfg, str(corpus), str(tmp_path)) as debug_box:
+            state = debug_box.new_state()
+            fixed = debug_box.execute(ToolCall("python", "print(7 / undefined)"), state)
+            assert fixed.ok and fixed.text == "3" and fixed.meta["debugged"] and state.debug_used == 1
+            # max_debug = 1: the second failure of this trajectory is returned as is
+            second = debug_box.execute(ToolCall("python", "1/0"), state)
+            assert not second.ok and "ZeroDivisionError" in second.text and len(log) == 1
