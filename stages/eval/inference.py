@@ -1,0 +1,232 @@
+"""The inference stage: every (question, sample) of one benchmark through the agent loop, resumably.
+
+`run_inference` writes `<output_root>/eval-infer/<key>/predictions.jsonl`, one row per (item, sample) in
+the predictions contract (docs/eval.md). Finished samples are appended to `predictions.partial.jsonl` one
+line at a time (flushed and fsynced), so a rerun after a crash runs only the missing (id, sample) pairs;
+the final file is written atomically once every pair is done. Samples that could not reach the server
+are not written, and the stage then fails naming how many, so the next run retries exactly those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from stages.core.atomic import write_json, write_jsonl
+from stages.core.config.agent import AgentSection
+from stages.core.config.eval import EvalSection
+from stages.core.fingerprint import code_version, hash_value
+from stages.core.log import get_logger, progress
+from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
+from stages.core.workspace import stage_dir
+from stages.eval.agent_loop import LoopSettings, SampleState, run_sample
+
+log = get_logger(__name__)
+
+STAGE = "eval-infer"
+FINAL = "predictions.jsonl"
+PARTIAL = "predictions.partial.jsonl"
+CODE = ("stages.eval.inference", "stages.eval.agent_loop", "stages.eval.benchmarks", "stages.agent")
+GENERATION_KEYS = {"data_root", "max_questions", "samples", "temperature", "top_p", "top_k", "min_p",
+                   "repetition_penalty", "max_tokens", "max_total_tokens", "sample_timeout_s", "max_python",
+                   "max_search"}
+
+
+class InferenceIncomplete(RuntimeError):
+    """Some samples failed to reach the server; the finished ones are kept for the rerun."""
+
+
+def sampling_extras(cfg: EvalSection, endpoint: EndpointRef) -> dict[str, Any]:
+    """vLLM's extra sampling fields, sent only to servers that accept them (ARPO eval bug 8.5.4 never sent them)."""
+    if not endpoint.meta.get("sampling_extras", False):
+        return {}
+    return {"top_k": cfg.top_k, "min_p": cfg.min_p, "repetition_penalty": cfg.repetition_penalty}
+
+
+def eval_agent(cfg: EvalSection, agent: AgentSection) -> AgentSection:
+    """The agent settings with the evaluation's per-tool limits (eval.max_python / eval.max_search)."""
+    limits = agent.limits.model_copy(update={"max_python": cfg.max_python, "max_search": cfg.max_search,
+                                             "max_calls": cfg.max_python + cfg.max_search})
+    return agent.model_copy(update={"limits": limits})
+
+
+def corpus_path(agent: AgentSection, data: DatasetRef) -> str | None:
+    return agent.search.corpus_path or data.files.get("corpus")
+
+
+def inference_key(cfg: EvalSection, agent: AgentSection, benchmark: str, content_hash: str, model: ModelRef,
+                  endpoint: EndpointRef, data: DatasetRef) -> str:
+    corpus = agent.search.corpus_path or (data.fingerprint if "corpus" in data.files else None)
+    return hash_value(cfg.model_dump(include=GENERATION_KEYS), eval_agent(cfg, agent), benchmark, content_hash,
+                      model.fingerprint, corpus, sampling_extras(cfg, endpoint), code_version(*CODE))
+
+
+def sample_seed(benchmark: str, item_id: str, sample: int) -> int:
+    return int(hash_value(benchmark, item_id, sample, length=8), 16)
+
+
+def read_partial(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """Finished rows by (id, sample). A torn last line (crash mid-write) is cut off the file."""
+    if not path.is_file():
+        return {}
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) != len(data):
+        with open(path, "r+b") as handle:
+            handle.truncate(len(whole))
+    rows = [json.loads(line) for line in whole.decode("utf-8").splitlines() if line.strip()]
+    return {(row["id"], int(row["sample"])): row for row in rows}
+
+
+def append_row(handle: Any, row: dict[str, Any]) -> None:
+    handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
+                  data: DatasetRef, output_root: str | Path, cache_root: str | Path,
+                  force: bool = False) -> PredictionsRef:
+    from stages.eval.benchmarks import load_benchmark
+
+    synthetic = data.files.get("eval_test") if benchmark == "synthetic" else None
+    loaded = load_benchmark(benchmark, cfg.data_root, cap=cfg.max_questions, synthetic_path=synthetic)
+    key = inference_key(cfg, agent, benchmark, loaded.content_hash, model, endpoint, data)
+    out = stage_dir(output_root, STAGE, key, force=force)
+    final = out.path / FINAL
+    if not out.complete:
+        started = time.monotonic()
+        rows, ran = asyncio.run(_infer_all(cfg, agent, loaded, model, endpoint, data, out.path, Path(cache_root)))
+        write_jsonl(final, rows)
+        (out.path / PARTIAL).unlink(missing_ok=True)
+        write_json(out.path / "summary.json", summarize(rows, ran, time.monotonic() - started, loaded, endpoint))
+        out.finish(content=final, rows=len(rows))
+    summary = json.loads((out.path / "summary.json").read_text())
+    return PredictionsRef(path=str(final), fingerprint=out.fingerprint, benchmark=benchmark,
+                          meta={k: summary[k] for k in ("rows", "items", "samples", "benchmark_hash", "model",
+                                                        "timed_out", "errors")})
+
+
+def summarize(rows: list[dict[str, Any]], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef
+              ) -> dict[str, Any]:
+    return {"rows": len(rows), "items": len(loaded.items), "samples": len({r["sample"] for r in rows}),
+            "benchmark": loaded.spec.name, "benchmark_hash": loaded.content_hash, "model": endpoint.model,
+            "timed_out": sum(r["timed_out"] for r in rows), "errors": sum(r["error"] is not None for r in rows),
+            "ran_this_time": ran, "wall_s": round(wall_s, 3),
+            "samples_per_s": round(ran / wall_s, 4) if wall_s > 0 else None,
+            "mean_total_s": round(sum(r["timing"]["total_s"] for r in rows) / max(len(rows), 1), 3)}
+
+
+async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: ModelRef, endpoint: EndpointRef,
+                     data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[dict[str, Any]], int]:
+    from stages.agent.prompts import build_messages
+    from stages.agent.toolbox import ToolBox
+    from stages.eval.serving import async_client
+
+    done = read_partial(folder / PARTIAL)
+    todo = [(item, s) for item in loaded.items for s in range(cfg.samples) if (item.id, s) not in done]
+    name = loaded.spec.name
+    log.info("%s: %d samples to run, %d already done (%s)", name, len(todo), len(done), folder)
+    if loaded.spec.search_backend != agent.search.backend:
+        log.info("%s: the reference searched with the %r backend; this run uses agent.search.backend=%r", name,
+                 loaded.spec.search_backend, agent.search.backend)
+    failures: list[str] = []
+    if todo:
+        tokenizer = load_tokenizer(model)
+        box = ToolBox.from_config(eval_agent(cfg, agent), corpus_path(agent, data), str(cache_root),
+                                  helper_url=endpoint.url, helper_model=endpoint.model)
+        client = async_client(endpoint, timeout_s=max(60.0, cfg.sample_timeout_s))
+        settings = loop_settings(cfg, endpoint)
+        gate = asyncio.Semaphore(cfg.concurrency)
+
+        async def one(item: Any, sample: int) -> dict[str, Any] | None:
+            async with gate:
+                prompt = tokenizer.apply_chat_template(build_messages(item.question, agent.prompt_template),
+                                                       tokenize=False, add_generation_prompt=True)
+                return await infer_sample(client, settings, cfg.sample_timeout_s, prompt, box, item, sample,
+                                          name, loaded.content_hash, failures)
+
+        try:
+            with open(folder / PARTIAL, "a", encoding="utf-8") as handle, progress() as bar:  # noqa: ASYNC230
+                task = bar.add_task(f"infer {name}", total=len(todo) + len(done), completed=len(done))
+                for next_row in asyncio.as_completed([one(item, s) for item, s in todo]):
+                    row = await next_row
+                    if row is not None:
+                        append_row(handle, row)
+                        done[(row["id"], row["sample"])] = row
+                    bar.advance(task)
+        finally:
+            await close_quietly(box, client)
+    if failures:
+        raise InferenceIncomplete(f"{len(failures)} of {len(todo)} {name} samples could not reach the server at "
+                                  f"{endpoint.url} (first: {failures[0]}); the {len(done)} finished samples are "
+                                  "saved; rerun to complete only the missing ones")
+    order = {item.id: i for i, item in enumerate(loaded.items)}
+    return sorted(done.values(), key=lambda r: (order[r["id"]], r["sample"])), len(todo)
+
+
+def loop_settings(cfg: EvalSection, endpoint: EndpointRef) -> LoopSettings:
+    return LoopSettings(model=endpoint.model, max_tokens=cfg.max_tokens, max_total_tokens=cfg.max_total_tokens,
+                        temperature=cfg.temperature, top_p=cfg.top_p, extras=sampling_extras(cfg, endpoint),
+                        max_llm_calls=2 * (cfg.max_python + cfg.max_search) + 8)
+
+
+async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, prompt: str, box: Any, item: Any,
+                       sample: int, benchmark: str, benchmark_hash: str, failures: list[str]) -> dict[str, Any] | None:
+    """One sample as a predictions row; None (and a note in `failures`) when the server could not be reached."""
+    import openai
+
+    from stages.agent.protocol import count_tool_calls, extract_answer
+
+    state, error, timed_out = SampleState(), None, False
+    start = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await run_sample(client, settings, prompt, box, sample_seed(benchmark, item.id, sample), state)
+    except TimeoutError:
+        timed_out, state.finish_reason = True, "timeout"
+    except (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError) as err:
+        failures.append(f"{item.id}#{sample}: {type(err).__name__}: {err}")
+        return None
+    except openai.APIStatusError as err:  # a request the server refuses
+        if "maximum context length" in err.message:
+            state.finish_reason = "length"  # the context is full: the sample ends as if cut by max_tokens
+        else:
+            error, state.finish_reason = f"{type(err).__name__}: {err.message}", "error"
+    timing = {k: round(v, 4) for k, v in state.timing.items()} | {"total_s": round(time.monotonic() - start, 4)}
+    return {"id": item.id, "benchmark": benchmark, "sample": sample, "question": item.question,
+            "golds": list(item.golds), "task_type": item.task_type, "prediction": extract_answer(state.output),
+            "output": state.output, "finish_reason": state.finish_reason,
+            "tool_calls": {k: v for k, v in count_tool_calls(state.output).items()},
+            "timing": timing, "timed_out": timed_out, "error": error, "model": settings.model,
+            "benchmark_hash": benchmark_hash, "completion_tokens": state.completion_tokens,
+            "llm_calls": state.llm_calls, "meta": dict(item.meta)}
+
+
+def load_tokenizer(model: ModelRef) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model.path)
+    except OSError as err:
+        raise FileNotFoundError(f"cannot load the tokenizer of {model.path} to apply its chat template locally "
+                                f"({err}); the model must be a local folder or in the HF cache") from err
+
+
+async def close_quietly(*things: Any) -> None:
+    for thing in things:
+        for name in ("aclose", "close"):
+            method = getattr(thing, name, None)
+            if method is None:
+                continue
+            try:
+                result = method()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as err:  # noqa: BLE001 -- closing must not hide the real outcome
+                log.warning("closing %s failed: %s", type(thing).__name__, err)
+            break

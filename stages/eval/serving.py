@@ -1,0 +1,228 @@
+"""Put a model behind an OpenAI-compatible endpoint: `start_server` / `stop_server` / `serving(...)`.
+
+Backends (ServeSection.backend):
+- `cpu`: `python -m stages.eval.cpu_server` (transformers generation with request batching) in this venv;
+- `vllm`: `vllm serve` from its own environment (command line from `stages.eval.vllm_cmd.vllm_command`);
+- `external`: an existing server at `serve.url` with the key in the env var `serve.api_key_env`.
+Servers run supervised in their own process group with output captured to `<log_dir>/<name>.log`
+(stages.eval.procs). Teardown is guaranteed three ways: `stop_server` / the `serving` context manager,
+an atexit hook for servers this process started, and the supervisor, which kills the group when this
+process dies without either.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from stages.core.config.eval import JudgeSection
+from stages.core.config.serve import ServeSection
+from stages.core.fingerprint import hash_file, hash_value
+from stages.core.log import get_logger
+from stages.core.refs import EndpointRef, ModelRef
+from stages.core.registry import Registry
+from stages.eval.procs import free_port, kill_group, launch, log_tail
+from stages.eval.vllm_cmd import ServeError, resolve_executable, vllm_command
+
+log = get_logger(__name__)
+
+BACKENDS: Registry[Callable[[ServeSection, ModelRef, Path], EndpointRef]] = Registry("serving backend")
+_LIVE: dict[int, subprocess.Popen] = {}  # supervisor pid -> process, for servers this process started
+
+
+def served_name(cfg: ServeSection, model: ModelRef) -> str:
+    return cfg.served_name or model.name or Path(model.path).name
+
+
+def cpu_server_command(cfg: ServeSection, model: ModelRef, name: str, port_file: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "stages.eval.cpu_server", "--model", str(model.path), "--served-name", name,
+           "--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file),
+           "--max-batch-size", str(cfg.max_batch_size), "--batch-wait-ms", str(cfg.batch_wait_ms),
+           "--prefix-cache-entries", str(cfg.prefix_cache_entries),
+           "--dtype", str(model.meta.get("dtype", "float32"))]
+    return cmd + (["--threads", str(cfg.threads)] if cfg.threads else [])
+
+
+def start_server(cfg: ServeSection, model: ModelRef, log_dir: str | Path) -> EndpointRef:
+    """Start (or name, for `external`) the server for `model` and wait until it answers /health."""
+    return BACKENDS.get(cfg.backend)(cfg, model, Path(log_dir))
+
+
+def stop_server(endpoint: EndpointRef | None, grace_s: float | None = None) -> None:
+    """Stop a server `start_server` launched (its whole process group); a no-op for external/shared ones."""
+    if endpoint is None or endpoint.meta.get("shared_with") or "pgid" not in endpoint.meta:
+        return
+    pgid = int(endpoint.meta["pgid"])
+    grace = float(endpoint.meta.get("stop_grace_s", 10.0) if grace_s is None else grace_s)
+    kill_group(pgid, grace, _LIVE.pop(pgid, None))
+    log.info("stopped %s server %s (process group %d)", endpoint.meta.get("backend"), endpoint.url, pgid)
+
+
+@contextmanager
+def serving(cfg: ServeSection, model: ModelRef, log_dir: str | Path) -> Iterator[EndpointRef]:
+    """`with serving(cfg, model, log_dir) as endpoint:` -- the server is stopped on any exit."""
+    endpoint = start_server(cfg, model, log_dir)
+    try:
+        yield endpoint
+    finally:
+        stop_server(endpoint)
+
+
+def _stop_all() -> None:
+    for pgid, proc in list(_LIVE.items()):
+        kill_group(pgid, 5.0, proc)
+        _LIVE.pop(pgid, None)
+
+
+atexit.register(_stop_all)
+
+
+def _log_path(log_dir: Path, backend: str, name: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+    return log_dir / f"{backend}-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}.log"
+
+
+def _fail(proc: subprocess.Popen, log_file: Path, why: str) -> ServeError:
+    kill_group(proc.pid, 2.0, _LIVE.pop(proc.pid, proc))
+    return ServeError(f"{why}. Server log {log_file}, last lines:\n{log_tail(log_file)}")
+
+
+def _wait(proc: subprocess.Popen, log_file: Path, deadline: float, ready: Callable[[], Any], what: str) -> Any:
+    """Poll `ready()` until it returns a value; fail fast when the process exits or the deadline passes."""
+    while True:
+        value = ready()
+        if value is not None:
+            return value
+        if proc.poll() is not None:
+            raise _fail(proc, log_file, f"the server exited with code {proc.returncode} before {what}")
+        if time.monotonic() > deadline:
+            raise _fail(proc, log_file, f"the server did not get {what} in time; raise serve.startup_timeout_s "
+                                        "if it is just slow")
+        time.sleep(0.2)
+
+
+def http_ok(url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _read_port(port_file: Path) -> int | None:
+    try:
+        return int(port_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _endpoint(cfg: ServeSection, model: ModelRef, name: str, port: int, proc: subprocess.Popen,
+              log_file: Path, extras: bool) -> EndpointRef:
+    return EndpointRef(url=f"http://{cfg.host}:{port}/v1", model=name, model_fingerprint=model.fingerprint,
+                       meta={"backend": cfg.backend, "pid": proc.pid, "pgid": proc.pid, "log": str(log_file),
+                             "model_path": str(model.path), "sampling_extras": extras,
+                             "stop_grace_s": cfg.stop_grace_s})
+
+
+@BACKENDS.register("cpu")
+def start_cpu(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef:
+    name = served_name(cfg, model)
+    log_file = _log_path(log_dir, "cpu", name)
+    port_file = log_dir / f".port-{uuid.uuid4().hex}"
+    proc = launch(cpu_server_command(cfg, model, name, port_file), log_file)
+    _LIVE[proc.pid] = proc
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    try:
+        port = _wait(proc, log_file, deadline, lambda: _read_port(port_file), "a bound port")
+    finally:
+        port_file.unlink(missing_ok=True)
+    _wait(proc, log_file, deadline, lambda: http_ok(f"http://{cfg.host}:{port}/health") or None, "healthy")
+    log.info("cpu server for %s up at http://%s:%d/v1 (log %s)", name, cfg.host, port, log_file)
+    return _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
+
+
+@BACKENDS.register("vllm")
+def start_vllm(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef:
+    name = served_name(cfg, model)
+    port = cfg.port or free_port(cfg.host)
+    cmd = vllm_command(cfg.model_copy(update={"vllm": cfg.vllm.model_copy(
+        update={"executable": resolve_executable(cfg.vllm.executable)})}), model.path, name, port)
+    log_file = _log_path(log_dir, "vllm", name)
+    proc = launch(cmd, log_file)
+    _LIVE[proc.pid] = proc
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    _wait(proc, log_file, deadline, lambda: http_ok(f"http://{cfg.host}:{port}/health") or None, "healthy")
+    log.info("vllm server for %s up at http://%s:%d/v1 (log %s)", name, cfg.host, port, log_file)
+    return _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
+
+
+@BACKENDS.register("external")
+def start_external(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef:
+    """Name an existing server; checks the key variable is set and that GET <url>/models answers."""
+    if not cfg.url:
+        raise ServeError("serve.backend=external needs serve.url (the base URL ending in /v1, e.g. "
+                         "http://host:8000/v1)")
+    key = None
+    if cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env)
+        if not key:
+            raise ServeError(f"serve.api_key_env={cfg.api_key_env!r} but that environment variable is not set; "
+                             f"export {cfg.api_key_env}=<key> or set serve.api_key_env=null for a keyless server")
+    url = cfg.url.rstrip("/")
+    if not http_ok(f"{url}/models", key, timeout=10.0):
+        raise ServeError(f"the external server at {url} does not answer GET {url}/models; check serve.url "
+                         "(it must end in /v1) and that the server is running")
+    return EndpointRef(url=url, model=served_name(cfg, model), api_key_env=cfg.api_key_env,
+                       model_fingerprint=model.fingerprint,
+                       meta={"backend": "external", "sampling_extras": bool(cfg.sampling_extras)})
+
+
+# ------------------------------------------------------------------------------------------------ the judge
+def judge_model_ref(cfg: JudgeSection) -> ModelRef:
+    """The judge model (judge.model=path) as a ModelRef; its fingerprint names the model, not its weights."""
+    if not cfg.path:
+        raise ServeError("eval.judge.model=path needs eval.judge.path (a model folder, a hub id, or the model "
+                         "name an external judge server knows)")
+    config = Path(cfg.path) / "config.json"
+    identity = hash_file(config) if config.is_file() else ""
+    return ModelRef(path=cfg.path, fingerprint=hash_value("judge", cfg.path, identity),
+                    name=cfg.serve.served_name or Path(cfg.path).name)
+
+
+def start_judge(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str | Path) -> EndpointRef | None:
+    """The judge endpoint: None when disabled, the policy server when judge.model=policy, else served."""
+    if not cfg.enabled:
+        return None
+    if cfg.model == "policy":
+        if policy is None:
+            raise ServeError("eval.judge.model=policy needs the policy endpoint; pass it, or set "
+                             "eval.judge.model=path with eval.judge.path")
+        return policy.model_copy(update={"meta": {**policy.meta, "shared_with": "policy"}})
+    return start_server(cfg.serve, judge_model_ref(cfg), log_dir)
+
+
+def endpoint_info(endpoint: EndpointRef) -> dict[str, Any]:
+    """What is safe to log or publish about an endpoint (never a key)."""
+    return json.loads(json.dumps({"url": endpoint.url, "model": endpoint.model, **{
+        k: v for k, v in endpoint.meta.items() if k in ("backend", "log", "model_path", "shared_with")}}))
+
+
+def async_client(endpoint: EndpointRef, timeout_s: float = 600.0, max_retries: int = 2) -> Any:
+    """An `openai.AsyncOpenAI` for the endpoint (key from its env var; "EMPTY" for keyless servers)."""
+    from openai import AsyncOpenAI
+
+    key = os.environ.get(endpoint.api_key_env, "") if endpoint.api_key_env else ""
+    return AsyncOpenAI(base_url=endpoint.url, api_key=key or "EMPTY", timeout=timeout_s, max_retries=max_retries)

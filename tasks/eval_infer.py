@@ -1,0 +1,28 @@
+"""Inference task: cached on the config sections, model, data and benchmark, but not on the endpoint.
+
+The endpoint's URL and port change every time a server starts, so the cache policy leaves it out; which
+model answers is keyed through `model` (its fingerprint), and the stage folder key includes it too.
+"""
+
+from __future__ import annotations
+
+from stages.core.config.agent import AgentSection
+from stages.core.config.eval import EvalSection
+from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
+from stages.eval.inference import CODE, run_inference
+from tasks.artifacts import publish_table
+from tasks.common import stage_cache, stage_task
+
+INFER_CACHE = stage_cache("eval-infer", *CODE) - "endpoint"
+
+
+@stage_task("eval-infer", *CODE)
+def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
+           data: DatasetRef, output_root: str, cache_root: str, force: bool = False) -> PredictionsRef:
+    ref = run_inference(cfg, agent, benchmark, model, endpoint, data, output_root, cache_root, force=force)
+    publish_table(f"infer-{benchmark}", [{"benchmark": benchmark, **ref.meta, "path": ref.path}],
+                  f"Predictions for {benchmark}")
+    return ref
+
+
+infer_task = _infer.with_options(cache_policy=INFER_CACHE, task_run_name="eval-infer-{benchmark}")

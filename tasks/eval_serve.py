@@ -1,0 +1,48 @@
+"""Serving tasks. Never cached: an endpoint is a live process, not a result.
+
+In a flow, stop what you serve even when a later task fails:
+    endpoint = serve_task(cfg.serve, model, log_dir)
+    try: ... infer_task(..., endpoint=endpoint, ...) ...
+    finally: stop_task(endpoint)
+(`served(...)` below does exactly that). If the flow process dies outright, the server's supervisor kills it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages.core.config.eval import JudgeSection
+from stages.core.config.serve import ServeSection
+from stages.core.refs import EndpointRef, ModelRef
+from stages.eval.serving import endpoint_info, start_judge, start_server, stop_server
+from tasks.artifacts import publish_table
+
+
+@task(name="serve", cache_policy=NO_CACHE, persist_result=False, task_run_name="serve-{cfg.backend}")
+def serve_task(cfg: ServeSection, model: ModelRef, log_dir: str) -> EndpointRef:
+    endpoint = start_server(cfg, model, log_dir)
+    publish_table("serve-endpoint", [endpoint_info(endpoint)], f"{cfg.backend} server for {model.name or model.path}")
+    return endpoint
+
+
+@task(name="serve-judge", cache_policy=NO_CACHE, persist_result=False)
+def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str) -> EndpointRef | None:
+    return start_judge(cfg, policy, log_dir)
+
+
+@task(name="stop-server", cache_policy=NO_CACHE, persist_result=False)
+def stop_task(endpoint: EndpointRef | None) -> None:
+    stop_server(endpoint)
+
+
+@contextmanager
+def served(cfg: ServeSection, model: ModelRef, log_dir: str) -> Iterator[EndpointRef]:
+    endpoint = serve_task(cfg, model, log_dir)
+    try:
+        yield endpoint
+    finally:
+        stop_task(endpoint)

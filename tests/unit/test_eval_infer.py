@@ -1,0 +1,113 @@
+"""Inference pieces without a server: which stop ended a generation, resumable partial files, the stage key
+and the Prefect cache policy (which must ignore the endpoint's URL)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from openai.types import CompletionChoice
+
+from stages.core.config.agent import AgentSection
+from stages.core.config.eval import EvalSection
+from stages.core.refs import DatasetRef, EndpointRef, ModelRef
+from stages.eval.agent_loop import EVAL_STOPS, LoopSettings, matched_stop
+from stages.eval.inference import append_row, eval_agent, inference_key, read_partial, sample_seed, sampling_extras
+
+MODEL = ModelRef(path="/m", fingerprint="a" * 16, name="smol")
+DATA = DatasetRef(path="/d", fingerprint="d" * 16, files={"eval_test": "/d/e.jsonl", "corpus": "/d/c.jsonl"})
+CPU = EndpointRef(url="http://127.0.0.1:4000/v1", model="smol", meta={"sampling_extras": True})
+
+
+def choice(text: str, finish: str = "stop", **extra) -> CompletionChoice:
+    return CompletionChoice.model_validate({"index": 0, "text": text, "finish_reason": finish, "logprobs": None,
+                                            **extra})
+
+
+def test_stop_reason_from_the_server_is_trusted() -> None:
+    assert matched_stop(choice("<search>x", stop_reason="</search>"), "<search>x", "", EVAL_STOPS) == \
+        ("<search>x", "</search>")
+    # EOS: stop_reason present but None -> no stop string, even with an open tag
+    assert matched_stop(choice("<python>x", stop_reason=None), "<python>x", "", EVAL_STOPS) == ("<python>x", None)
+    assert matched_stop(choice("abc", "length", stop_reason=None), "abc", "", EVAL_STOPS) == ("abc", None)
+
+
+def test_server_that_ignores_stops_is_cut_at_the_first_tag() -> None:
+    # reference bug 8.5.4: stops never reached the server; everything after the first stop tag is dropped
+    text = "<python>print(1)</python> <result>\n1\n</result><answer>1</answer>"
+    assert matched_stop(choice(text, "length"), text, "", EVAL_STOPS) == ("<python>print(1)", "</python>")
+
+
+def test_server_without_stop_reason_is_read_from_the_open_tag() -> None:
+    assert matched_stop(choice("<think>t</think><search>q"), "<think>t</think><search>q", "", EVAL_STOPS) == \
+        ("<think>t</think><search>q", "</search>")
+    assert matched_stop(choice("<answer>\\boxed{3}"), "<answer>\\boxed{3}", "", EVAL_STOPS) == \
+        ("<answer>\\boxed{3}", "</answer>")
+    assert matched_stop(choice("done."), "done.", "", EVAL_STOPS) == ("done.", None)        # plain EOS
+    assert matched_stop(choice("abc", "length"), "abc", "", EVAL_STOPS) == ("abc", None)
+
+
+def test_request_sends_stops_and_extras() -> None:
+    settings = LoopSettings(model="smol", max_tokens=64, max_total_tokens=128, temperature=0.6, top_p=0.95,
+                            extras={"top_k": 20}, max_llm_calls=10)
+    body = settings.request("P", 32, 7)
+    assert body["stop"] == ["</search>", "</python>", "</answer>"]
+    assert body["extra_body"] == {"top_k": 20} and body["max_tokens"] == 32 and body["seed"] == 7
+
+
+def test_sampling_extras_only_for_servers_that_accept_them() -> None:
+    cfg = EvalSection(top_k=20, min_p=0.0, repetition_penalty=1.1)
+    assert sampling_extras(cfg, CPU) == {"top_k": 20, "min_p": 0.0, "repetition_penalty": 1.1}
+    external = EndpointRef(url="https://api.example.com/v1", model="gpt", meta={"sampling_extras": False})
+    assert sampling_extras(cfg, external) == {}
+
+
+def test_eval_limits_replace_the_agent_limits() -> None:
+    agent = eval_agent(EvalSection(max_python=5, max_search=10), AgentSection())
+    assert (agent.limits.max_python, agent.limits.max_search, agent.limits.max_calls) == (5, 10, 15)
+
+
+def test_partial_file_resumes_and_drops_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    with open(path, "a", encoding="utf-8") as handle:
+        append_row(handle, {"id": "q1", "sample": 0, "output": "a"})
+        append_row(handle, {"id": "q1", "sample": 1, "output": "b"})
+        handle.write('{"id": "q2", "sam')               # the process died mid-write
+    done = read_partial(path)
+    assert sorted(done) == [("q1", 0), ("q1", 1)]
+    assert path.read_text().count("\n") == 2 and path.read_text().endswith("}\n")   # torn line cut off
+    with open(path, "a", encoding="utf-8") as handle:   # appending after the repair gives valid JSONL
+        append_row(handle, {"id": "q2", "sample": 0, "output": "c"})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["q1", "q1", "q2"]
+    assert read_partial(tmp_path / "missing.jsonl") == {}
+
+
+def test_sample_seeds_are_stable_and_distinct() -> None:
+    assert sample_seed("gsm8k", "q1", 0) == sample_seed("gsm8k", "q1", 0)
+    assert len({sample_seed("gsm8k", "q1", s) for s in range(5)} | {sample_seed("aime24", "q1", 0)}) == 6
+
+
+def test_stage_key_ignores_concurrency_judge_and_url_but_not_sampling() -> None:
+    cfg = EvalSection()
+    base = inference_key(cfg, AgentSection(), "gsm8k", "h", MODEL, CPU, DATA)
+    moved = CPU.model_copy(update={"url": "http://127.0.0.1:5000/v1"})
+    assert inference_key(cfg.model_copy(update={"concurrency": 1, "pass_k": [1, 5]}), AgentSection(), "gsm8k", "h",
+                         MODEL, moved, DATA) == base
+    assert inference_key(cfg.model_copy(update={"temperature": 0.0}), AgentSection(), "gsm8k", "h", MODEL, CPU,
+                         DATA) != base
+    assert inference_key(cfg, AgentSection(), "gsm8k", "h2", MODEL, CPU, DATA) != base          # data changed
+    other = MODEL.model_copy(update={"fingerprint": "b" * 16})
+    assert inference_key(cfg, AgentSection(), "gsm8k", "h", other, CPU, DATA) != base           # model changed
+
+
+def test_infer_task_cache_ignores_the_endpoint_but_not_the_model() -> None:
+    from tasks.eval_infer import INFER_CACHE
+
+    inputs = {"cfg": EvalSection(), "agent": AgentSection(), "benchmark": "gsm8k", "model": MODEL, "endpoint": CPU,
+              "data": DATA, "output_root": "out", "cache_root": ".cache", "force": False}
+    key = INFER_CACHE.compute_key(None, inputs, {})
+    moved = CPU.model_copy(update={"url": "http://127.0.0.1:5000/v1", "meta": {"pid": 2}})
+    assert INFER_CACHE.compute_key(None, inputs | {"endpoint": moved, "force": True}, {}) == key
+    other = MODEL.model_copy(update={"fingerprint": "b" * 16})
+    assert INFER_CACHE.compute_key(None, inputs | {"model": other}, {}) != key
+    assert INFER_CACHE.compute_key(None, inputs | {"benchmark": "aime24"}, {}) != key
