@@ -10,13 +10,13 @@ from typing import Any
 
 from prefect import flow
 
+from flows.evaluate import FANOUT
 from stages.core.config import load_config
 from stages.core.plan import StageName, make_plan
 from tasks.bootstrap import bootstrap_task
-from tasks.common import run_stage, submit_stage
+from tasks.common import run_stage
 from tasks.data import data_task
-from tasks.eval_infer import infer_task
-from tasks.eval_score import report_task, score_task
+from tasks.eval_score import report_task
 from tasks.eval_serve import judge_serve_task, serve_task, stop_task
 from tasks.rl import merge_task, rl_task
 from tasks.run_record import record_config_task, summary_task
@@ -44,14 +44,13 @@ def pipeline(profile: str = "tiny-cpu", overrides: list[str] | None = None, only
                                         seed=cfg.run.seed)
     if plan.runs("merge"):
         refs["merge"] = policy = run_stage(merge_task, plan, "merge", cfg.merge, policy, root)
-    if plan.runs("infer"):
+    if plan.runs("infer") and cfg.eval.enabled:
         refs.update(evaluate(cfg, plan, policy, data, run_dir))
     return summary_task(run_dir, refs)
 
 
 def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str) -> dict[str, Any]:
     """Serve the policy (and the judge), fan inference + scoring out per benchmark, report; always tear down."""
-    root, cache = cfg.run.output_root, cfg.run.cache_root
     endpoints = []
     try:
         endpoint = serve_task(cfg.serve, model, run_dir)
@@ -59,14 +58,10 @@ def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str) -> dict[s
         judge = judge_serve_task(cfg.eval.judge, endpoint, run_dir) if plan.runs("score") else None
         if judge is not None and judge.url != endpoint.url:
             endpoints.append(judge)
-        predictions = [submit_stage(infer_task, plan, "infer", cfg.eval, cfg.agent, name, model, endpoint, data,
-                                    root, cache) for name in cfg.eval.benchmarks]
-        if not plan.runs("score"):
-            return {"infer": [p.result() for p in predictions]}
-        scores = [submit_stage(score_task, plan, "score", cfg.eval, p, judge, root, cache) for p in predictions]
-        out = {"infer": [p.result() for p in predictions], "score": [s.result() for s in scores]}
+        fanout = FANOUT[cfg.eval.fanout](cfg)
+        out = fanout(cfg, model, data, endpoint, judge, sorted(plan.refresh), plan.runs("score"))
         if plan.runs("report"):
-            out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], root)
+            out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], cfg.run.output_root)
         return out
     finally:
         for endpoint in endpoints:

@@ -38,6 +38,11 @@ class EvalSection(Section):
     max_tokens: int = Field(4096, description="tokens per generation call")
     max_total_tokens: int = Field(8192, description="response budget per sample across calls")
     concurrency: int = Field(8, ge=1)
+    fanout: Literal["threads", "ray"] = Field(
+        "threads", description="how per-benchmark inference + scoring fan out: threads here, or Ray workers "
+                               "(prefect-ray RayTaskRunner; a local Ray unless ray_address is set)")
+    ray_address: str | None = Field(None, description="existing Ray cluster, e.g. ray://head:10001")
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray; None = all")
     sample_timeout_s: float = 1500.0
     max_python: int = 5
     max_search: int = 10

@@ -1,0 +1,43 @@
+"""Per-benchmark fan-out of inference and scoring, as a subflow whose task runner the config picks
+(threads here, or Ray workers through prefect-ray). Serving and teardown stay in the parent flow."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from prefect import Flow, flow
+
+from stages.core.config import RunConfig
+from stages.core.plan import StageName, make_plan
+from stages.core.refs import DatasetRef, EndpointRef, ModelRef
+from tasks.common import submit_stage
+from tasks.eval_infer import infer_task
+from tasks.eval_score import score_task
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate_benchmarks(cfg: RunConfig, model: ModelRef, data: DatasetRef, endpoint: EndpointRef,
+                        judge: EndpointRef | None, refresh: list[StageName], score: bool) -> dict[str, Any]:
+    plan = make_plan(refresh=refresh)
+    root, cache = cfg.run.output_root, cfg.run.cache_root
+    predictions = [submit_stage(infer_task, plan, "infer", cfg.eval, cfg.agent, name, model, endpoint, data,
+                                root, cache) for name in cfg.eval.benchmarks]
+    if not score:
+        return {"infer": [p.result() for p in predictions]}
+    scores = [submit_stage(score_task, plan, "score", cfg.eval, p, judge, root, cache) for p in predictions]
+    return {"infer": [p.result() for p in predictions], "score": [s.result() for s in scores]}
+
+
+def _with_ray(cfg: RunConfig) -> Flow:
+    from prefect_ray import RayTaskRunner
+
+    init: dict[str, Any] = {"include_dashboard": False, "_temp_dir": os.environ.get("RAY_TMPDIR", "/tmp/arpo-ray")}
+    if cfg.eval.ray_num_cpus:
+        init["num_cpus"] = cfg.eval.ray_num_cpus
+    runner = RayTaskRunner(address=cfg.eval.ray_address, init_kwargs=None if cfg.eval.ray_address else init)
+    return evaluate_benchmarks.with_options(task_runner=runner)
+
+
+FANOUT: dict[str, Callable[[RunConfig], Flow]] = {"threads": lambda cfg: evaluate_benchmarks, "ray": _with_ray}
