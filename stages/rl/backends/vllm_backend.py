@@ -1,0 +1,187 @@
+"""vLLM generation backend (GPU boxes; vLLM lives in its own environment, its pins clash with LLaMA-Factory).
+
+`vllm` is imported only when this backend is constructed. The module's pure helpers (`sampling_kwargs`,
+`result_from_output`, `topk_entropy`) run without vLLM and are unit-tested on plain objects.
+
+- Engine: `vllm.LLM(model=<the trainer's model folder>, enable_prefix_caching=True, ...)`. Forks and shared
+  prompts need no bookkeeping: automatic prefix caching recognises the shared token prefix, so `fork`,
+  `prefill` and `release` are no-ops. Forward-token counts come from `RequestOutput.num_cached_tokens`.
+- Requests are token ids (`TokensPrompt`), `n=1`, stop strings = the closing tool tags with
+  `include_stop_str_in_output=True`; the returned `token_ids` are exactly the sampled ids.
+- Entropy: vLLM returns only the top-k log-probs per position (`logprobs=k`, default 10, as the reference), so the
+  entropy is the truncated sum -sum_{top-k} p log p / ln|V| (a lower bound of the full entropy; the reference
+  uses the same truncation). Log-probs are the processed ones (`logprobs_mode="processed_logprobs"`, i.e. after
+  temperature) where the installed vLLM supports that engine argument.
+- Weights: the trainer updates its torch model in place; `refresh_weights()` (called by the rollout engine at
+  the start of every rollout) copies every named parameter into the engine's model with
+  `model.load_weights([(name, tensor), ...])` and then calls `llm.reset_prefix_cache()` (cached KV blocks of
+  the old weights must not be reused). That needs the engine in-process: we set
+  `VLLM_ENABLE_V1_MULTIPROCESSING=0` before building the engine (the mechanism TRL's colocate mode uses).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from stages.core.log import get_logger
+from stages.rl.backends.base import (
+    ForwardStats,
+    GenRequest,
+    GenResult,
+    SamplingSpec,
+    eos_ids_of,
+)
+
+log = get_logger(__name__)
+
+
+class VLLMNotInstalledError(ImportError):
+    pass
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMNotInstalledError(
+            "rl.rollout.backend=vllm needs the vllm package, which is not installed in this interpreter. vLLM's "
+            "pins clash with LLaMA-Factory's, so it lives in its own environment on GPU machines: run the RL stage "
+            "with that environment's python, or set rl.rollout.backend=transformers.") from exc
+    return vllm
+
+
+def sampling_kwargs(sampling: SamplingSpec, max_new_tokens: int, seed: int | None, logprobs_k: int,
+                    allowed_vocab: int | None) -> dict[str, Any]:
+    """Keyword arguments of `vllm.SamplingParams` for one request (pure; vLLM's -1 = no top-k)."""
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "temperature": max(0.0, sampling.temperature),
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "max_tokens": max_new_tokens,
+        "stop": list(sampling.stop),
+        "include_stop_str_in_output": True,
+        "logprobs": logprobs_k,
+        "skip_special_tokens": False,
+        "seed": seed,
+    }
+    if allowed_vocab is not None:  # padded embedding rows: never sample an id the tokenizer does not know
+        kwargs["allowed_token_ids"] = list(range(allowed_vocab))
+    return kwargs
+
+
+def topk_entropy(position_logprobs: dict[int, Any], k: int, vocab_size: int) -> float:
+    """-sum p log p over the k best-ranked entries of one position (vLLM may add the sampled token as a k+1-th
+    entry; it only counts when it is within the top k), normalised by ln|V|."""
+    entries = sorted(position_logprobs.values(), key=lambda lp: (getattr(lp, "rank", None) or 1 << 30))[:k]
+    h = -sum(math.exp(lp.logprob) * lp.logprob for lp in entries if math.isfinite(lp.logprob))
+    return h / math.log(vocab_size)
+
+
+def result_from_output(completion: Any, eos_ids: frozenset[int], logprobs_k: int, vocab_size: int) -> GenResult:
+    """Convert a vLLM `CompletionOutput` (token_ids, logprobs, finish_reason, stop_reason) to a GenResult.
+
+    finish_reason "length" -> length; "stop" with a string stop_reason -> that stop string; "stop" otherwise
+    (stop_reason None = EOS, or an int stop token id) -> eos.
+    """
+    ids = [int(t) for t in completion.token_ids]
+    positions = completion.logprobs or []
+    if len(positions) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(positions)} logprob entries for {len(ids)} tokens; "
+                           "requests must set logprobs")
+    logps = [float(pos[t].logprob) for t, pos in zip(ids, positions)]
+    ents = [topk_entropy(pos, logprobs_k, vocab_size) for pos in positions]
+    if completion.finish_reason == "length":
+        return GenResult(ids, logps, ents, "length")
+    if isinstance(completion.stop_reason, str):
+        return GenResult(ids, logps, ents, "stop", completion.stop_reason)
+    if completion.finish_reason == "stop" or (ids and ids[-1] in eos_ids):
+        return GenResult(ids, logps, ents, "eos")
+    raise RuntimeError(f"vLLM finished a request with reason {completion.finish_reason!r} "
+                       f"(stop_reason {completion.stop_reason!r}); expected stop or length")
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model, tokenizer, *, model_path: str | None = None, llm: Any = None, logprobs_k: int = 10,
+                 gpu_memory_utilization: float = 0.6, max_model_len: int | None = None, seed: int = 0,
+                 engine_kwargs: dict[str, Any] | None = None) -> None:
+        vllm = import_vllm()
+        self.model, self.tokenizer, self.logprobs_k = model, tokenizer, logprobs_k
+        self.eos_token_ids = eos_ids_of(tokenizer, getattr(model, "generation_config", None))
+        model_vocab = int(model.get_output_embeddings().weight.shape[0]) if model is not None else len(tokenizer)
+        self.vocab_size = min(len(tokenizer), model_vocab)
+        self._allowed = self.vocab_size if model_vocab > self.vocab_size else None
+        self.stats = ForwardStats()
+        if llm is None:
+            path = model_path or getattr(getattr(model, "config", None), "_name_or_path", None)
+            if not path:
+                raise ValueError("the vllm backend needs model_path= (the trainer's HF model folder)")
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            kwargs: dict[str, Any] = {
+                "model": str(path), "enable_prefix_caching": True, "enforce_eager": True, "seed": seed,
+                "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+                "logprobs_mode": "processed_logprobs", "max_logprobs": max(20, logprobs_k)}
+            kwargs.update(engine_kwargs or {})
+            try:
+                llm = vllm.LLM(**kwargs)
+            except TypeError:  # older vLLM without logprobs_mode: raw log-probs (temperature 1 in the scripts)
+                kwargs.pop("logprobs_mode")
+                llm = vllm.LLM(**kwargs)
+        self.llm = llm
+        self._vllm = vllm
+
+    def refresh_weights(self) -> None:
+        """Copy the trainer's current parameters into the engine and drop prefix-cache blocks of old weights."""
+        if self.model is None:
+            return
+        engine_model = _engine_model(self.llm)
+        engine_model.load_weights((name, p.data) for name, p in self.model.named_parameters())
+        self.llm.reset_prefix_cache()
+
+    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
+                 seed: int | None = None) -> list[GenResult]:
+        if not requests:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.token_ids)) for r in requests]
+        params = [self._vllm.SamplingParams(**sampling_kwargs(
+            sampling, r.max_new_tokens, None if seed is None else seed + i, self.logprobs_k, self._allowed))
+            for i, r in enumerate(requests)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for req, out in zip(requests, outputs):
+            res = result_from_output(out.outputs[0], self.eos_token_ids, self.logprobs_k, self.vocab_size)
+            cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+            self.stats.prefill_tokens += len(req.token_ids) - cached
+            self.stats.reused_tokens += cached
+            self.stats.decode_tokens += len(res.token_ids)
+            self.stats.padded_tokens += len(req.token_ids) - cached + len(res.token_ids)
+            results.append(res)
+        self.stats.forward_calls += 1
+        return results
+
+    def prefill(self, items: Sequence[tuple[Hashable, list[int]]]) -> None:
+        """No-op: automatic prefix caching shares prompt blocks between the requests of a group."""
+
+    def fork(self, src: Hashable, dst: Hashable, n_tokens: int) -> None:
+        """No-op: a branch's context starts with its parent's tokens, which prefix caching recognises."""
+
+    def release(self, keys: Iterable[Hashable] | None = None) -> None:
+        """No-op: vLLM evicts cached blocks itself; `refresh_weights` resets them when weights change."""
+
+
+def _engine_model(llm: Any) -> Any:
+    try:
+        worker = llm.llm_engine.model_executor.driver_worker
+    except AttributeError as exc:
+        raise RuntimeError("cannot reach the vLLM model in this process to update its weights; build the engine "
+                           "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the backend sets it when it creates the LLM)") \
+            from exc
+    worker = getattr(worker, "worker", worker)
+    return worker.model_runner.model

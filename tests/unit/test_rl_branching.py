@@ -1,0 +1,137 @@
+"""Branching arithmetic, budget filling, initial counts and entropy windows: hand-derived values."""
+
+from __future__ import annotations
+
+import pytest
+
+from stages.core.config.rl import RolloutSection
+from stages.core.registry import UnknownNameError
+from stages.rl.branching import (
+    aepo_branch_probability,
+    aepo_branch_score,
+    aepo_should_branch,
+    arpo_branch_probability,
+    arpo_should_branch,
+    dynamic_initial_rollouts,
+    fresh_to_add,
+    penalty_factor,
+    plan_branches,
+)
+from stages.rl.entropy import EntropyWindow, delta_entropy, window_mean, window_sum
+from stages.rl.strategies import ROLLOUT_STRATEGIES, get_strategy
+
+GRID = [(i + 0.5) / 1000 for i in range(1000)]  # u on a uniform grid: fractions are exact to 1/1000
+
+
+def test_arpo_probability_hand_values():
+    assert arpo_branch_probability(0.5, 0.2, 0.5) == pytest.approx(0.6, abs=1e-12)   # 0.5 + 0.2*0.5
+    assert arpo_branch_probability(0.5, 0.2, -1.0) == pytest.approx(0.3, abs=1e-12)  # 0.5 - 0.2
+    assert arpo_branch_probability(0.5, 0.2, 3.0) == 1.0                             # 1.1 clipped
+    assert arpo_branch_probability(0.5, 0.2, -3.0) == 0.0                            # -0.1 clipped
+    assert arpo_should_branch(0.59, 0.5, 0.2, 0.5)       # u < 0.6
+    assert not arpo_should_branch(0.6, 0.5, 0.2, 0.5)    # u = P does not branch (u in [0, 1))
+
+
+def test_arpo_decision_rate_matches_probability():
+    # P = 0.5 + 0.2 * 0.7 = 0.64 -> 640 of the 1000 grid points branch
+    assert sum(arpo_should_branch(u, 0.5, 0.2, 0.7) for u in GRID) == 640
+
+
+def test_aepo_penalty_hand_values():
+    assert penalty_factor(4, 0.05) == pytest.approx(0.8)       # 1 - 0.2
+    assert penalty_factor(20, 0.05) == 0.0                     # 1 - 1.0
+    assert penalty_factor(25, 0.05) == 0.0                     # max(0, -0.25)
+    assert aepo_branch_score(0.7, 0.2, 0.5, 4, 0.05) == pytest.approx(0.64)   # (0.7 + 0.1) * 0.8
+    assert aepo_should_branch(0.7, 0.5, 0.2, 0.5, 4, 0.05)                    # 0.64 >= 0.5
+    assert not aepo_should_branch(0.7, 0.5, 0.2, 0.5, 10, 0.05)               # (0.8) * 0.5 = 0.4 < 0.5
+    assert aepo_branch_score(0.95, 0.2, 1.0, 0, 0.05) == 1.0                  # 1.15 clipped
+
+
+def test_aepo_probability_closed_form():
+    # research/arpo.md 3.2: P = clip(1 - tau/f + w dH); c=0 -> 0.5, c=4 -> 1 - 0.5/0.8 = 0.375,
+    # c=10 -> 1 - 0.5/0.5 + 0.2*1.0 = 0.2, c=20 -> f = 0 -> never
+    assert aepo_branch_probability(0.5, 0.2, 0.0, 0, 0.05) == pytest.approx(0.5)
+    assert aepo_branch_probability(0.5, 0.2, 0.0, 4, 0.05) == pytest.approx(0.375)
+    assert aepo_branch_probability(0.5, 0.2, 1.0, 10, 0.05) == pytest.approx(0.2)
+    assert aepo_branch_probability(0.5, 0.2, 5.0, 20, 0.05) == 0.0
+    for c, dh in [(0, 0.0), (4, 0.3), (7, -0.4), (12, 1.0)]:
+        rate = sum(aepo_should_branch(u, 0.5, 0.2, dh, c, 0.05) for u in GRID) / 1000
+        assert rate == pytest.approx(aepo_branch_probability(0.5, 0.2, dh, c, 0.05), abs=1.5e-3)
+
+
+def test_aepo_without_penalty_equals_arpo_at_tau_half():
+    # with f = 1 and tau = 0.5: P_aepo = 1 - 0.5 + w dH = P_arpo
+    for dh in (-1.0, -0.3, 0.0, 0.4, 1.0):
+        assert aepo_branch_probability(0.5, 0.2, dh, 0, 0.0) == pytest.approx(arpo_branch_probability(0.5, 0.2, dh))
+
+
+def test_plan_branches_scans_in_order_within_budget():
+    always = lambda dh, c: True
+    cands = [(0, 0.0), (1, 0.0), (2, 0.0)]
+    assert plan_branches(cands, remaining=3, beam_size=3, made=0, decide=always) == [0, 0, 1]
+    assert plan_branches(cands, remaining=10, beam_size=3, made=0, decide=always) == [0, 0, 1, 1, 2, 2]
+    assert plan_branches(cands, remaining=10, beam_size=1, made=0, decide=always) == []   # beam 1: no copies
+    assert plan_branches(cands, remaining=0, beam_size=2, made=0, decide=always) == []
+    by_dh = lambda dh, c: dh > 0
+    assert plan_branches([(0, -1.0), (1, 1.0)], remaining=5, beam_size=3, made=0, decide=by_dh) == [1, 1]
+
+
+def test_plan_branches_passes_running_branch_count():
+    seen = []
+
+    def decide(dh, c):
+        seen.append((dh, c))
+        return dh != 0.2  # the second candidate's draw fails
+
+    got = plan_branches([(0, 0.1), (1, 0.2), (2, 0.3)], remaining=5, beam_size=2, made=3, decide=decide)
+    assert got == [0, 2]
+    assert seen == [(0.1, 3), (0.2, 4), (0.3, 4)]  # c = made + copies planned so far
+
+
+def test_fresh_to_add():
+    assert fresh_to_add(8, 5, 0, "one") == 1
+    assert fresh_to_add(8, 5, 0, "all") == 3
+    assert fresh_to_add(8, 5, 1, "all") == 0      # active trajectories may still branch
+    assert fresh_to_add(8, 8, 0, "one") == 0      # budget spent
+
+
+def test_dynamic_initial_rollouts_hand_values():
+    # sigmoid(0.5) = 0.622459 -> floor(16 * 0.622459) = floor(9.959) = 9 -> 10
+    assert dynamic_initial_rollouts(16, 1.0, 0.0, 0.5) == 10
+    # sigmoid(0) = 0.5 -> 8 + 1 = 9
+    assert dynamic_initial_rollouts(16, 0.3, 0.3, 0.5) == 9
+    # sigmoid(-10) = 4.5e-5 -> 0 + 1 = 1
+    assert dynamic_initial_rollouts(16, -10.0, 10.0, 0.5) == 1
+    # sigmoid(50) = 1.0 -> 16 + 1 = 17 -> clamped to n
+    assert dynamic_initial_rollouts(16, 100.0, 0.0, 0.5) == 16
+    # sigmoid(-0.5) = 0.377541 -> floor(1.51) = 1 -> 2
+    assert dynamic_initial_rollouts(4, 0.0, 1.0, 0.5) == 2
+
+
+def test_entropy_windows():
+    ents = [0.2, 0.4, 0.6]
+    assert window_mean(ents, 2) == pytest.approx(0.3, abs=1e-12)    # (0.2 + 0.4) / 2
+    assert window_sum(ents, 2) == pytest.approx(0.6, abs=1e-12)     # 0.2 + 0.4
+    assert window_mean(ents, 20) == pytest.approx(0.4, abs=1e-12)   # shorter segment: all of it
+    assert window_mean([], 5) == 0.0
+    assert EntropyWindow("paper", 2).segment_entropy(ents) == pytest.approx(0.3, abs=1e-12)
+    assert EntropyWindow("reference", 2).segment_entropy(ents) == pytest.approx(0.6, abs=1e-12)
+    assert EntropyWindow("paper").decide_after_generation
+    assert not EntropyWindow("reference").decide_after_generation
+    assert delta_entropy(0.7, 0.2) == pytest.approx(0.5)
+    assert delta_entropy(0.7, None) == 0.0
+    with pytest.raises(ValueError, match="entropy_window"):
+        EntropyWindow("late")  # type: ignore[arg-type]
+
+
+def test_strategy_registry():
+    assert ROLLOUT_STRATEGIES.names() == ["aepo", "arpo", "grpo"]
+    cfg = RolloutSection(strategy="grpo", n=6, initial_rollouts=2)
+    grpo = get_strategy(cfg)
+    assert grpo.initial_rollouts() == 6 and not grpo.branching and not grpo.fill_fresh
+    arpo = get_strategy(cfg.model_copy(update={"strategy": "arpo"}))
+    assert arpo.initial_rollouts() == 2 and arpo.branching and arpo.fill_fresh
+    aepo = get_strategy(cfg.model_copy(update={"strategy": "aepo", "dynamic_rollouts": True}))
+    assert aepo.probe and aepo.initial_rollouts(0.0, 1.0) == dynamic_initial_rollouts(6, 0.0, 1.0, 0.5)
+    with pytest.raises(UnknownNameError, match="Known: \\['aepo', 'arpo', 'grpo'\\]"):
+        get_strategy(cfg.model_copy(update={"strategy": "apro"}))
