@@ -2,50 +2,99 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from stages.core.config.section import Section
 
+Scalar = str | int | float | bool
+
 
 class DPOSection(Section):
-    """Optional self-critic DPO after SFT (Tool-Star: LoRA r 8, beta 0.1, sigmoid)."""
+    """Optional self-critic DPO after SFT (Tool-Star `qwen_lora_dpo_2.yaml`: LoRA r 8, beta 0.1, sigmoid)."""
 
     enabled: bool = False
-    beta: float = 0.1
-    loss: Literal["sigmoid", "hinge", "ipo"] = "sigmoid"
-    lora_rank: int = 8
-    learning_rate: float = 5e-6
-    num_train_epochs: float = 3.0
-    max_steps: int | None = None
+    source: Literal["sampled", "file"] = Field(
+        "sampled", description="sampled = pairs from trajectories the SFT checkpoint samples with real tools; "
+                               "file = a LLaMA-Factory sharegpt ranking file (conversations/chosen/rejected)")
+    dataset_path: str | None = Field(None, description="source=file: the preference pairs file (.json/.jsonl)")
+    beta: float = Field(0.1, gt=0, description="LLaMA-Factory pref_beta")
+    loss: Literal["sigmoid", "hinge", "ipo"] = Field("sigmoid", description="LLaMA-Factory pref_loss")
+    ftx: float = Field(0.0, ge=0, description="pref_ftx: SFT loss weight added to the DPO loss")
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
+    lora_target: str = "all"
+    learning_rate: float = Field(5e-6, gt=0)
+    num_train_epochs: float = Field(3.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="None = num_train_epochs over the pairs")
+    per_device_train_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(8, ge=1)
+    cutoff_len: int = Field(8192, ge=16)
+    max_questions: int | None = Field(64, ge=1, description="train questions sampled for pairs (None = all)")
     samples_per_question: int = Field(4, ge=2, description="trajectories sampled per question to form pairs")
+    pairs_per_question: int = Field(1, ge=1, description="at most this many (correct, incorrect) pairs each")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature for the pair trajectories")
+    max_new_tokens: int = Field(512, ge=8, description="response tokens per sampled trajectory (results included)")
+    rollout_backend: Literal["transformers", "vllm"] = Field("transformers", description="sampling backend")
+    reward: str = Field("reference", description="reward registry name deciding which samples are correct")
+    chosen_fallback: Literal["teacher", "none"] = Field(
+        "teacher", description="teacher = a question none of whose samples is correct gets its teacher "
+                               "trajectory as the chosen side; none = such questions give no pair")
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> "DPOSection":
+        if self.enabled and self.source == "file" and not self.dataset_path:
+            raise ValueError("sft.dpo.source=file needs sft.dpo.dataset_path (a sharegpt ranking .json/.jsonl)")
+        return self
 
 
 class SFTSection(Section):
-    """Cold-start SFT with LLaMA-Factory (reference: full FT, lr 7e-6, 3 epochs, cosine, warmup 0.1)."""
+    """Cold-start SFT with LLaMA-Factory (reference: full FT, lr 7e-6, 3 epochs, cosine, warmup 0.1, ZeRO-3)."""
 
-    enabled: bool = True
-    dataset: Literal["teacher", "file"] = Field("teacher", description="teacher = trajectories made here")
-    dataset_path: str | None = Field(None, description="ARPO-SFT (sharegpt) or Tool-Star-SFT (alpaca) file")
+    enabled: bool = Field(True, description="false = hand the input model on unchanged")
+    dataset: Literal["teacher", "file"] = Field(
+        "teacher", description="teacher = tool trajectories built here from the generated train tasks; "
+                               "file = dataset_path in dataset_format")
+    dataset_path: str | None = Field(None, description="ARPO-SFT (sharegpt) or Tool-Star-SFT (alpaca) .json/.jsonl/"
+                                                       ".parquet file")
     dataset_format: Literal["sharegpt", "alpaca"] = "sharegpt"
+    bad_rows: Literal["error", "skip"] = Field("skip", description="skip = log file+row of each bad row, go on")
+    max_samples: int | None = Field(None, ge=1, description="use only the first N valid rows of dataset_path")
     n_trajectories: int = Field(64, ge=1, description="teacher trajectories to build (dataset=teacher)")
-    mask_tool_results: bool = Field(False, description="no loss on <result> tokens (reference: False)")
+    teacher_seed: int = Field(0, description="seed of the teacher's wording choices")
+    mask_tool_results: bool = Field(False, description="no loss on <result> tokens (reference: False, ARPO #9)")
+    template: str | None = Field(None, description="LLaMA-Factory chat template; None = the model's template")
     finetuning_type: Literal["full", "lora"] = "full"
-    lora_rank: int = 8
-    lora_alpha: int = 16
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
     lora_target: str = "all"
-    learning_rate: float = 7e-6
-    num_train_epochs: float = 3.0
-    max_steps: int | None = None
-    per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 2
-    cutoff_len: int = 15000
-    warmup_ratio: float = 0.1
+    learning_rate: float = Field(7e-6, gt=0)
+    num_train_epochs: float = Field(3.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="None = num_train_epochs over the data")
+    per_device_train_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(2, ge=1)
+    cutoff_len: int = Field(15000, ge=16)
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
     lr_scheduler_type: str = "cosine"
     bf16: bool = True
-    deepspeed: str | None = Field(None, description="DeepSpeed json, e.g. a ZeRO-3 config")
-    launcher: Literal["python", "torchrun"] = "python"
-    nproc_per_node: int = 1
-    logging_steps: int = 1
-    extra_args: dict[str, str | int | float | bool] = Field(default_factory=dict,
-                                                             description="passed to LLaMA-Factory unchanged")
+    seed: int = 42
+    deepspeed: str | None = Field(None, description="DeepSpeed json, e.g. configs/deepspeed/ds_z3_offload.json")
+    launcher: Literal["python", "torchrun"] = Field(
+        "python", description="python = `llamafactory-cli train`; torchrun = torchrun -m llamafactory.launcher")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun processes (GPUs) per node")
+    preprocessing_num_workers: int = Field(16, ge=1)
+    dataloader_num_workers: int = Field(4, ge=0)
+    logging_steps: int = Field(1, ge=1)
+    save_steps: int = Field(500, ge=1, description="trainer checkpoint every N steps (resume point after a crash)")
+    save_total_limit: int = Field(2, ge=1)
+    keep_checkpoints: bool = Field(False, description="keep trainer checkpoint-* folders after a finished run")
+    extra_args: dict[str, Scalar] = Field(default_factory=dict, description="passed to LLaMA-Factory unchanged")
     dpo: DPOSection = DPOSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SFTSection":
+        if self.enabled and self.dataset == "file" and not self.dataset_path:
+            raise ValueError("sft.dataset=file needs sft.dataset_path (an ARPO-SFT sharegpt or Tool-Star alpaca file)")
+        if self.deepspeed and not self.deepspeed.endswith(".json"):
+            raise ValueError(f"sft.deepspeed={self.deepspeed!r} must be a DeepSpeed .json config "
+                             "(e.g. configs/deepspeed/ds_z3_offload.json)")
+        return self

@@ -1,0 +1,84 @@
+"""Tool-using trajectories sampled from a checkpoint with the RL rollout engine (stages.rl), for self-critic DPO
+pairs and the SFT format benchmark. GRPO strategy (no branching): n independent samples per question, real
+tools, results inserted with `render_result`, exactly the text RL trains on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.agent.prompts import build_messages
+from stages.agent.protocol import check_format, count_tool_calls
+from stages.core.config.agent import AgentSection
+from stages.core.config.rl import RLSection, RolloutSection
+from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+from stages.data import RLRow
+
+
+@dataclass(frozen=True)
+class Sampled:
+    question: str
+    ground_truth: str
+    ability: str
+    responses: tuple[str, ...]
+
+
+def task_rows(tasks: Sequence[dict[str, Any]], template: str) -> list[RLRow]:
+    """Generated tasks (tasks.jsonl rows) as RL rows with the configured system prompt."""
+    rows = []
+    for i, task in enumerate(tasks):
+        messages = build_messages(task["question"], template)
+        rows.append(RLRow(index=i, data_source="synthetic_tir", ability=task["kind"],
+                          prompt=tuple((m["role"], m["content"]) for m in messages),
+                          ground_truth=str(task["answer"]), question=task["question"]))
+    return rows
+
+
+def sampling_section(n: int, temperature: float, max_new_tokens: int, call_limit: int, backend: str = "transformers",
+                     max_prompt_length: int = 1024) -> RLSection:
+    """GRPO rollouts: n roots per prompt, no branching."""
+    rollout = RolloutSection(strategy="grpo", backend=backend, n=n, initial_rollouts=n, call_limit=call_limit,
+                             max_prompt_length=max_prompt_length, max_response_length=max_new_tokens,
+                             temperature=temperature, prompt_overflow="skip")
+    return RLSection(algorithm="grpo", rollout=rollout)
+
+
+def sample(policy: ModelRef | CheckpointRef, tasks: Sequence[dict[str, Any]], agent: AgentSection, data: DatasetRef,
+           cache_root: str | Path, rl: RLSection, seed: int = 0, questions_per_batch: int = 8) -> list[Sampled]:
+    """`rl.rollout.n` trajectories for every task, with the real toolbox."""
+    from stages.rl.modeling import load_policy, load_tokenizer
+    from stages.rl.session import RolloutSession
+
+    tokenizer = load_tokenizer(policy)
+    model = load_policy(policy).eval()
+    session = RolloutSession(rl, agent, model, tokenizer, data, Path(cache_root), seed=seed)
+    out: list[Sampled] = []
+    try:
+        rows = task_rows(tasks, agent.prompt_template)
+        for start in range(0, len(rows), questions_per_batch):
+            batch = session.rollout(rows[start:start + questions_per_batch], seed=seed + start)
+            out += [Sampled(g.question, g.ground_truth, g.ability, tuple(t.response_text for t in g.trajectories))
+                    for g in batch.groups]
+    finally:
+        session.close()
+    return out
+
+
+def format_metrics(sampled: Sequence[Sampled], reward: str = "reference") -> dict[str, float]:
+    """Format-valid rate (check_format), tool-call rate (>= 1 complete call), accuracy (reward's `correct`)."""
+    from stages.rl.rewards import compute_rewards
+
+    responses = [r for s in sampled for r in s.responses]
+    golds = [s.ground_truth for s in sampled for _ in s.responses]
+    abilities = [s.ability for s in sampled for _ in s.responses]
+    if not responses:
+        raise ValueError("no sampled responses to measure")
+    rewards = compute_rewards(reward, responses, golds, abilities)
+    n = len(responses)
+    return {"responses": n,
+            "format_valid": sum(check_format(r).ok for r in responses) / n,
+            "tool_call": sum(sum(count_tool_calls(r).values()) > 0 for r in responses) / n,
+            "accuracy": sum(w.correct for w in rewards) / n,
+            "mean_reward": sum(w.score for w in rewards) / n}

@@ -1,0 +1,72 @@
+"""Self-critic DPO pairs: (correct, incorrect) for the same question; teacher fallback; ranking file rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stages.data.rl_parquet import DatasetRowError
+from stages.sft.dpo import preference_pairs, ranking_row
+from stages.sft.rollouts import Sampled, format_metrics, sampling_section
+
+GOOD = "<think> x </think>\n<answer> The final answer is \\[ \\boxed{4} \\] </answer>"
+WRONG = "<think> x </think>\n<answer> The final answer is \\[ \\boxed{5} \\] </answer>"
+BROKEN = "4"
+
+
+def test_pairs_take_correct_vs_incorrect_of_the_same_question() -> None:
+    sampled = [Sampled("q1", "4", "math", (GOOD, WRONG, BROKEN, GOOD)), Sampled("q2", "4", "math", (WRONG, WRONG))]
+    correct = [[True, False, False, True], [False, False]]
+    rows = preference_pairs(sampled, correct, "SYS", pairs_per_question=5)
+    # q1: one distinct correct text, two distinct incorrect ones -> 2 pairs; q2: no correct sample, no fallback
+    assert len(rows) == 2
+    assert all(r["chosen"] == {"from": "gpt", "value": GOOD} for r in rows)
+    assert {r["rejected"]["value"] for r in rows} == {WRONG, BROKEN}
+    assert rows[0]["conversations"] == [{"from": "human", "value": "q1"}] and rows[0]["system"] == "SYS"
+    assert len(preference_pairs(sampled, correct, "SYS", pairs_per_question=1)) == 1
+
+
+def test_teacher_fallback_gives_a_chosen_side_when_no_sample_is_right() -> None:
+    sampled = [Sampled("q2", "4", "math", (WRONG, BROKEN))]
+    rows = preference_pairs(sampled, [[False, False]], "SYS", 2, fallback={"q2": GOOD})
+    assert [(r["chosen"]["value"], r["rejected"]["value"]) for r in rows] in ([(GOOD, WRONG), (GOOD, BROKEN)],
+                                                                              [(GOOD, BROKEN), (GOOD, WRONG)])
+    # all samples correct: nothing to reject, no pair
+    assert preference_pairs([Sampled("q", "4", "math", (GOOD,))], [[True]], "SYS", 2, fallback={"q": GOOD}) == []
+
+
+def test_lengths_must_match() -> None:
+    with pytest.raises(ValueError):
+        preference_pairs([Sampled("q", "4", "math", (GOOD,))], [], "SYS", 1)
+
+
+def test_ranking_file_rows_are_validated(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    raw = {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": GOOD},
+           "rejected": {"from": "gpt", "value": WRONG}, "system": "SYS"}
+    assert ranking_row(path, 0, raw) == {"conversations": [{"from": "human", "value": "q"}], "system": "SYS",
+                                         "chosen": {"from": "gpt", "value": GOOD},
+                                         "rejected": {"from": "gpt", "value": WRONG}}
+    with pytest.raises(DatasetRowError, match="row 3: a preference row needs"):
+        ranking_row(path, 3, {"conversations": raw["conversations"], "chosen": GOOD})
+    with pytest.raises(DatasetRowError, match="'rejected' must hold"):
+        ranking_row(path, 0, {**raw, "rejected": {"from": "gpt", "value": " "}})
+
+
+def test_format_metrics_with_the_reference_reward() -> None:
+    tool = ("<think> x </think>\n<python>\nprint(2+2)\n</python> <result>\n4\n</result>\n"
+            "<think> y </think>\n<answer> \\boxed{4} </answer>")
+    sampled = [Sampled("q", "4", "math", (tool, WRONG, BROKEN, GOOD))]
+    metrics = format_metrics(sampled)
+    # 3 of 4 pass check_format (BROKEN has no tags); 1 of 4 calls a tool; tool and GOOD are exactly right
+    assert metrics["responses"] == 4
+    assert metrics["format_valid"] == 0.75 and metrics["tool_call"] == 0.25 and metrics["accuracy"] == 0.5
+    # rewards: 1.0 + 0 + (-1) + 1.0 -> mean 0.25
+    assert metrics["mean_reward"] == pytest.approx(0.25)
+
+
+def test_sampling_section_is_plain_grpo() -> None:
+    rl = sampling_section(n=4, temperature=1.0, max_new_tokens=128, call_limit=3)
+    assert (rl.rollout.strategy, rl.rollout.n, rl.rollout.initial_rollouts, rl.rollout.call_limit) == ("grpo", 4, 4, 3)
+    assert rl.rollout.max_response_length == 128
