@@ -30,6 +30,14 @@ class RolloutSection(Section):
     dynamic_beta: float = 0.5
     probe_tokens: int = 50
     branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty per branch (0.05)")
+    fresh_fill: Literal["one", "all"] = Field(
+        "one", description="a group with no active trajectory left starts one fresh root per round (reference) "
+        "or fills its whole leftover budget at once")
+    prompt_overflow: Literal["error", "truncate_left", "skip"] = Field(
+        "error", description="a prompt longer than max_prompt_length: fail naming the row, keep its last "
+        "max_prompt_length tokens, or leave the row out with a warning")
+    kv_reuse: bool = Field(True, description="transformers backend: keep KV caches across rounds and share "
+                           "them with branches; false re-prefills every context each round (baseline)")
 
     @model_validator(mode="after")
     def _budget(self) -> "RolloutSection":
@@ -73,6 +81,8 @@ class TrainerSection(Section):
     micro_batch_size: int = Field(4, ge=1, description="trajectories per forward/backward")
     ppo_epochs: int = 1
     save_every: int = Field(5, ge=1)
+    keep_checkpoints: int = Field(1, ge=1, description="complete checkpoints kept (older ones are deleted); "
+                                  "the newest is the one a crashed run resumes from")
     reward: str = Field("reference", description="reward registry name: reference | math_equiv")
     gradient_checkpointing: bool = False
     dump_rollouts: bool = True

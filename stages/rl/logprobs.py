@@ -1,0 +1,140 @@
+"""Trajectories -> padded tensors, and per-token log-probs / entropies from one forward pass over prompt+response.
+
+Layout (verl's): prompts left-padded to the widest prompt P, responses right-padded to the longest response T, so
+every response starts at column P and response position t is column P + t in every row:
+
+    row b: [pad ... pad | prompt_b ][ response_b | pad ... pad ]
+            <------- P ----------->  <---------- T ---------->
+
+The logits at columns P-1 .. P+T-2 predict response tokens 0 .. T-1; only those T columns are projected onto
+the vocabulary (`logits_to_keep`), which keeps memory at B*T*V rather than B*(P+T)*V.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stages.rl.types import Trajectory
+
+
+@dataclass
+class Collated:
+    input_ids_BL: torch.Tensor        # long, L = P + T
+    attention_mask_BL: torch.Tensor   # long, 1 on real tokens
+    position_ids_BL: torch.Tensor     # long, 0.. along real tokens (left padding shifts them)
+    response_ids_BT: torch.Tensor     # long, pad id after the response
+    valid_BT: torch.Tensor            # bool, response token exists
+    mask_BT: torch.Tensor             # float, loss mask (1 = sampled by the policy, 0 = tool result / padding)
+    prompt_width: int                 # P
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids_BL.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.response_ids_BT.shape[1]
+
+    def to(self, device: torch.device) -> Collated:
+        return Collated(self.input_ids_BL.to(device), self.attention_mask_BL.to(device),
+                        self.position_ids_BL.to(device), self.response_ids_BT.to(device), self.valid_BT.to(device),
+                        self.mask_BT.to(device), self.prompt_width)
+
+    def rows_slice(self, start: int, stop: int) -> Collated:
+        """Rows [start, stop), keeping the batch-wide P and T (so column t means the same thing everywhere)."""
+        return Collated(self.input_ids_BL[start:stop], self.attention_mask_BL[start:stop],
+                        self.position_ids_BL[start:stop], self.response_ids_BT[start:stop],
+                        self.valid_BT[start:stop], self.mask_BT[start:stop], self.prompt_width)
+
+
+def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Collated:
+    """Pad a list of trajectories into the layout above. Responses must be non-empty."""
+    if not trajectories:
+        raise ValueError("collate needs at least one trajectory")
+    for traj in trajectories:
+        if not traj.prompt_ids:
+            raise ValueError(f"trajectory {traj.traj_id} has no prompt tokens")
+        if len(traj.loss_mask) != len(traj.response_ids):
+            raise ValueError(f"trajectory {traj.traj_id}: {len(traj.response_ids)} response tokens but "
+                             f"{len(traj.loss_mask)} loss-mask entries; the rollout must give one per token")
+    P = max(len(t.prompt_ids) for t in trajectories)
+    T = max(1, max(len(t.response_ids) for t in trajectories))
+    B = len(trajectories)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    for b, traj in enumerate(trajectories):
+        p, r = len(traj.prompt_ids), len(traj.response_ids)
+        input_ids[b, P - p:P] = torch.tensor(traj.prompt_ids, dtype=torch.long)
+        attention[b, P - p:P + r] = 1
+        if r:
+            input_ids[b, P:P + r] = torch.tensor(traj.response_ids, dtype=torch.long)
+            mask[b, :r] = torch.tensor(traj.loss_mask, dtype=torch.float32)
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    valid = attention[:, P:].bool()
+    return Collated(input_ids, attention, positions, input_ids[:, P:].clone(), valid, mask * valid, P)
+
+
+CHUNK = 256  # positions per float32 softmax when no gradient is needed (bounds the B*chunk*V temporaries)
+
+
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, with_entropy: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits)[target] and the full-vocabulary entropy / ln|V| per position (float32).
+
+    Without autograd the positions are processed in chunks, so the float32 copies stay small at long lengths."""
+    if not torch.is_grad_enabled() and logits_BTV.shape[1] > CHUNK:
+        parts = [_token_logprobs(logits_BTV[:, i:i + CHUNK], targets_BT[:, i:i + CHUNK], with_entropy)
+                 for i in range(0, logits_BTV.shape[1], CHUNK)]
+        return (torch.cat([p[0] for p in parts], dim=1),
+                torch.cat([p[1] for p in parts], dim=1) if with_entropy else None)
+    return _token_logprobs(logits_BTV, targets_BT, with_entropy)
+
+
+def _token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, with_entropy: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits_BTV = logits_BTV.float()
+    lse_BT = torch.logsumexp(logits_BTV, dim=-1)
+    logp_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1) - lse_BT
+    if not with_entropy:
+        return logp_BT, None
+    probs_BTV = torch.softmax(logits_BTV, dim=-1)
+    entropy_BT = (lse_BT - (probs_BTV * logits_BTV).sum(-1)) / math.log(logits_BTV.shape[-1])
+    return logp_BT, entropy_BT
+
+
+def policy_forward(model: torch.nn.Module, batch: Collated, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens under softmax(logits / T), zero outside the response.
+
+    Uses the sampling temperature so the values match what the rollout recorded (T <= 0, greedy, counts as 1).
+    """
+    T = batch.width
+    out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                position_ids=batch.position_ids_BL, logits_to_keep=T + 1, use_cache=False)
+    logits_BTV = out.logits[:, :T]
+    if temperature > 0 and temperature != 1.0:
+        logits_BTV = logits_BTV / temperature
+    logp_BT, entropy_BT = token_logprobs(logits_BTV, batch.response_ids_BT, with_entropy)
+    logp_BT = torch.where(batch.valid_BT, logp_BT, torch.zeros_like(logp_BT))
+    if entropy_BT is not None:
+        entropy_BT = torch.where(batch.valid_BT, entropy_BT, torch.zeros_like(entropy_BT))
+    return logp_BT, entropy_BT
+
+
+@torch.no_grad()
+def batched_forward(model: torch.nn.Module, batch: Collated, micro_batch_size: int, temperature: float,
+                    with_entropy: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`policy_forward` without gradient over micro-batches; results on CPU, [B, T]."""
+    logps, entropies = [], []
+    for start in range(0, batch.rows, micro_batch_size):
+        micro = batch.rows_slice(start, start + micro_batch_size).to(device)
+        logp, entropy = policy_forward(model, micro, temperature, with_entropy)
+        logps.append(logp.float().cpu())
+        if entropy is not None:
+            entropies.append(entropy.float().cpu())
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)

@@ -1,0 +1,202 @@
+"""Per-step metrics, collapse alarms, rollout dumps and training curves.
+
+metrics.jsonl holds exactly one row per completed step. A step is complete when its checkpoint is written (the
+row is also stored inside the checkpoint), so after a crash `reconcile_metrics` rewrites the file to the rows of
+steps <= the resumed checkpoint and puts back a row the crash kept from being appended.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.core.atomic import read_jsonl, write_jsonl
+from stages.core.log import get_logger
+from stages.rl.rewards import Reward
+from stages.rl.types import RolloutBatch
+
+log = get_logger(__name__)
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def rollout_metrics(batch: RolloutBatch, rewards: list[Reward]) -> dict[str, float]:
+    """Reward, accuracy, tool use, branching and length statistics of one step's rollouts."""
+    trajs = batch.trajectories
+    scores = torch.tensor([r.score for r in rewards], dtype=torch.float64)
+    calls = [sum(t.tool_calls.values()) for t in trajs]
+    finish = Counter(t.finish_reason or "unknown" for t in trajs)
+    group_std = [torch.tensor([rewards[i].score for i in idx], dtype=torch.float64).std().item()
+                 if len(idx) > 1 else 0.0 for idx in _group_rows(batch)]
+    row = {
+        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(trajs) > 1 else 0.0,
+        "reward/min": float(scores.min()), "reward/max": float(scores.max()),
+        "reward/format_error_rate": _mean([float(r.score == -1.0 and r.answer is None) for r in rewards]),
+        "reward/groups_without_signal": _mean([float(s == 0.0) for s in group_std]),
+        "accuracy": _mean([float(r.correct) for r in rewards]),
+        "f1": _mean([r.f1 for r in rewards]),
+        "tools/calls_per_traj": _mean(calls),
+        "tools/errors_per_traj": _mean([float(t.tool_errors) for t in trajs]),
+        "tools/used_both_rate": _mean([float(t.tool_calls.get("search", 0) > 0 and t.tool_calls.get("python", 0) > 0)
+                                       for t in trajs]),
+        "rollout/trajectories": float(len(trajs)),
+        "rollout/initial_per_group": _mean([float(g.initial_rollouts) for g in batch.groups]),
+        "rollout/branches_per_group": _mean([float(g.branches) for g in batch.groups]),
+        "rollout/fresh_per_group": _mean([float(g.fresh) for g in batch.groups]),
+        "response/length": _mean([float(len(t)) for t in trajs]),
+        "response/model_tokens": _mean([float(sum(t.loss_mask)) for t in trajs]),
+        "response/tool_tokens": _mean([float(len(t) - sum(t.loss_mask)) for t in trajs]),
+    }
+    for tool in sorted({k for t in trajs for k in t.tool_calls}):
+        row[f"tools/{tool}_per_traj"] = _mean([float(t.tool_calls.get(tool, 0)) for t in trajs])
+    for reason, count in sorted(finish.items()):
+        row[f"finish/{reason}"] = count / len(trajs)
+    for key, value in batch.metrics.items():
+        if isinstance(value, (int, float)):
+            row[f"rollout/{key}"] = float(value)
+    return row
+
+
+def _group_rows(batch: RolloutBatch) -> list[list[int]]:
+    rows, start = [], 0
+    for group in batch.groups:
+        rows.append(list(range(start, start + len(group.trajectories))))
+        start += len(group.trajectories)
+    return rows
+
+
+@dataclass(frozen=True)
+class AlarmRules:
+    """When to raise a collapse alarm (a logged warning plus `alarm/<name>` = 1 in the metrics row)."""
+
+    tool_drop_ratio: float = 0.1      # tool calls/traj below this fraction of their best earlier value ...
+    tool_min_peak: float = 0.5        # ... once that best value was at least this
+    entropy_drop_ratio: float = 0.1   # mean token entropy below this fraction of the first step's
+    entropy_floor: float = 1e-3       # or below this absolute (normalised) value
+    reward_drop: float = 0.5          # mean reward this far below its best earlier value
+    no_signal_patience: int = 3       # steps in a row where every group had identical rewards
+
+
+def detect_alarms(history: list[dict[str, Any]], rules: AlarmRules = AlarmRules()) -> list[str]:
+    """Alarm names for the last row of `history` (all rows so far, oldest first)."""
+    if not history:
+        return []
+    now, earlier = history[-1], history[:-1]
+    alarms = []
+    tool_peak = max((r.get("tools/calls_per_traj", 0.0) for r in earlier), default=0.0)
+    if tool_peak >= rules.tool_min_peak and now.get("tools/calls_per_traj", 0.0) < rules.tool_drop_ratio * tool_peak:
+        alarms.append("tool_collapse")
+    if "entropy/mean" in now:
+        first = history[0].get("entropy/mean", now["entropy/mean"])
+        if now["entropy/mean"] < rules.entropy_floor or (earlier and now["entropy/mean"] < rules.entropy_drop_ratio
+                                                          * first):
+            alarms.append("entropy_collapse")
+    reward_peak = max((r.get("reward/mean", -1.0) for r in earlier), default=None)
+    if reward_peak is not None and now.get("reward/mean", 0.0) < reward_peak - rules.reward_drop:
+        alarms.append("reward_collapse")
+    recent = history[-rules.no_signal_patience:]
+    if len(recent) == rules.no_signal_patience and all(r.get("reward/groups_without_signal", 0.0) == 1.0
+                                                       for r in recent):
+        alarms.append("reward_no_signal")
+    return alarms
+
+
+def apply_alarms(history: list[dict[str, Any]], rules: AlarmRules = AlarmRules()) -> list[str]:
+    """Detect alarms for the last row, flag them in it and log a warning per alarm."""
+    alarms = detect_alarms(history, rules)
+    row = history[-1]
+    row["alarm"] = float(bool(alarms))
+    for name in alarms:
+        row[f"alarm/{name}"] = 1.0
+        log.warning("step %s: %s (reward %.3f, tool calls/traj %.2f, entropy %.4f)", row.get("step"), name,
+                    row.get("reward/mean", float("nan")), row.get("tools/calls_per_traj", float("nan")),
+                    row.get("entropy/mean", float("nan")))
+    return alarms
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row) + "\n")
+        handle.flush()
+
+
+def reconcile_metrics(path: Path, resumed_step: int, checkpoint_row: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Make metrics.jsonl hold one row per step 1..resumed_step (dropping rows of steps that will be redone and
+    restoring the checkpoint's own row if the crash came before it was appended). Returns the rows."""
+    rows = read_jsonl(path) if path.is_file() else []
+    by_step = {int(r["step"]): r for r in rows if int(r["step"]) <= resumed_step}
+    if checkpoint_row and resumed_step not in by_step:
+        by_step[resumed_step] = checkpoint_row
+    kept = [by_step[s] for s in sorted(by_step)]
+    write_jsonl(path, kept)
+    return kept
+
+
+def dump_rollouts(path: Path, step: int, batch: RolloutBatch, rewards: list[Reward], tokenizer: Any,
+                  advantages: list[float]) -> None:
+    """One JSON line per trajectory: prompt text, response text, reward, advantage, tools, branch structure."""
+    rows, i = [], 0
+    for group in batch.groups:
+        prompt_text = tokenizer.decode(group.trajectories[0].prompt_ids, skip_special_tokens=False) \
+            if group.trajectories else ""
+        for traj in group.trajectories:
+            rows.append({"step": step, "group": group.group, "traj_id": traj.traj_id, "kind": traj.kind,
+                         "parent_id": traj.parent_id, "fork_at": traj.fork_at, "question": group.question,
+                         "ground_truth": group.ground_truth, "prompt": prompt_text if traj is
+                         group.trajectories[0] else None, "response": traj.response_text,
+                         "reward": rewards[i].to_json(), "advantage": advantages[i],
+                         "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
+                         "finish_reason": traj.finish_reason, "length": len(traj),
+                         "model_tokens": int(sum(traj.loss_mask))})
+            i += 1
+    write_jsonl(path, rows)
+
+
+CURVES = (("reward/mean", "reward"), ("accuracy", "accuracy"), ("entropy/mean", "token entropy / ln|V|"),
+          ("tools/calls_per_traj", "tool calls per trajectory"))
+
+
+def plot_curves(rows: list[dict[str, Any]], png: Path) -> Path:
+    """Reward, accuracy, entropy and tool-call curves over steps, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.2))
+    steps = [r["step"] for r in rows]
+    for ax, (key, title) in zip(axes, CURVES):
+        ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker="o")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(png)
+    return png
+
+
+def rollout_sample_markdown(rollouts_dir: Path, max_trajectories: int = 4, max_chars: int = 1500) -> str:
+    """A markdown sample of the newest rollout dump: question, reward, tools and the (clipped) response."""
+    dumps = sorted(Path(rollouts_dir).glob("step_*.jsonl"))
+    if not dumps:
+        return "_no rollout dumps (rl.trainer.dump_rollouts is off or no step ran)_"
+    rows = read_jsonl(dumps[-1])[:max_trajectories]
+    parts = [f"### Rollouts of step {rows[0]['step'] if rows else '?'} ({dumps[-1].name})"]
+    for r in rows:
+        response = r["response"] if len(r["response"]) <= max_chars else r["response"][:max_chars] + " [...]"
+        parts.append(f"**group {r['group']} / traj {r['traj_id']}** ({r['kind']}, parent {r['parent_id']}, fork at "
+                     f"{r['fork_at']}) reward {r['reward']['score']:.3f} ({r['reward']['reason']}), advantage "
+                     f"{r['advantage']:.3f}, tools {r['tool_calls']}, finish {r['finish_reason']}\n\n"
+                     f"Q: {r['question']}  \ngold: `{r['ground_truth']}`\n\n```text\n{response}\n```")
+    return "\n\n".join(parts)

@@ -1,0 +1,256 @@
+"""The RL stage: an on-policy loop over the train set, checkpointed, resumable after a crash.
+
+Per step: the next `train_batch_size` prompts -> rollouts (RolloutEngine: tools, branching) -> rewards ->
+old log-probs, entropies (and reference log-probs when kl_coef > 0) -> advantages -> ppo_epochs x mini-batches
+of micro-batches -> metrics row, rollout dump, alarms -> checkpoint every `save_every` steps and at the end.
+
+Resume: `run_rl` re-run on the same inputs lands in the same stage folder; the trainer loads the newest complete
+checkpoint (weights, optimizer, RNG states, step / data position), rewrites metrics.jsonl to the steps that
+checkpoint holds, and continues with the next step. The data order of every epoch is a seeded permutation and
+each step's rollout seed is derived from (seed, step), so a resumed run samples what the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages.core.config.agent import AgentSection
+from stages.core.config.rl import RLSection
+from stages.core.fingerprint import code_version, hash_value
+from stages.core.log import get_logger, progress
+from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+from stages.core.workspace import stage_dir
+from stages.data import RLRow, read_rl_parquet
+from stages.rl import checkpoint as ckpt
+from stages.rl.metrics import (
+    AlarmRules,
+    append_metrics,
+    apply_alarms,
+    dump_rollouts,
+    plot_curves,
+    reconcile_metrics,
+    rollout_metrics,
+)
+from stages.rl.modeling import load_policy, load_tokenizer, pick_device
+from stages.rl.probe import write_probe
+from stages.rl.rewards import compute_rewards
+from stages.rl.session import RolloutSession
+from stages.rl.types import RolloutBatch
+from stages.rl.update import build_step_tensors, ppo_update
+
+log = get_logger(__name__)
+
+
+def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+           output_root: str | Path, cache_root: str | Path, seed: int = 0, force: bool = False) -> CheckpointRef:
+    """Train `policy` with GRPO / ARPO / AEPO on `data`'s rl_train file; returns the final trainer checkpoint.
+
+    With `cfg.enabled` false the policy is passed through (a ModelRef becomes an hf CheckpointRef).
+    """
+    if not cfg.enabled:
+        return passthrough(policy)
+    key = hash_value(cfg, agent, policy.fingerprint, data.fingerprint, seed,
+                     code_version("stages.rl", "stages.agent"))
+    out = stage_dir(output_root, "rl", key, force=force)
+    if not out.complete:
+        trainer = RLTrainer(cfg, agent, policy, data, out.path, Path(cache_root), seed)
+        final = trainer.train()
+        out.finish(content=final / "model", final=str(final), steps=trainer.total_steps)
+    marker = out.marker()
+    final = Path(marker["final"])
+    return CheckpointRef(path=str(final), fingerprint=out.fingerprint, format="trainer", base=base_model(policy),
+                         step=int(marker["steps"]),
+                         meta={"algorithm": cfg.algorithm, "metrics": str(out.path / "metrics.jsonl"),
+                               "curves": str(out.path / "curves.png"), "rollouts": str(out.path / "rollouts")})
+
+
+def passthrough(policy: ModelRef | CheckpointRef) -> CheckpointRef:
+    if isinstance(policy, CheckpointRef):
+        return policy
+    return CheckpointRef(path=policy.path, fingerprint=policy.fingerprint, format="hf", base=policy,
+                         meta={"rl": "disabled"})
+
+
+def base_model(policy: ModelRef | CheckpointRef) -> ModelRef | None:
+    return policy if isinstance(policy, ModelRef) else policy.base
+
+
+def plan_steps(n_rows: int, cfg: RLSection) -> tuple[int, int]:
+    """(steps per epoch, total steps). Incomplete last batches are dropped, as the reference does."""
+    per_epoch = n_rows // cfg.trainer.train_batch_size
+    if per_epoch == 0:
+        raise ValueError(f"the RL train set has {n_rows} rows, fewer than rl.trainer.train_batch_size="
+                         f"{cfg.trainer.train_batch_size}; lower train_batch_size or add data")
+    total = cfg.trainer.total_steps or per_epoch * cfg.trainer.epochs
+    return per_epoch, total
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The rollout engine's seed for 0-based `step`: a pure function of the run seed, so resuming reproduces it."""
+    return int(hash_value("rl-rollout", seed, step), 16) % 2**31
+
+
+def epoch_order(n_rows: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n_rows))
+    random.Random(hash_value("rl-data-order", seed, epoch)).shuffle(order)
+    return order
+
+
+def make_optimizer(model: torch.nn.Module, cfg: RLSection) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; the fused kernel when the parameters allow it (about 6x faster per
+    step than the default loop on CPU for the 135M tiny model)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) and p.device.type in ("cpu", "cuda")
+                for p in params)
+    return torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
+                             fused=fused or None)
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+                 stage_path: Path, cache_root: Path, seed: int = 0, alarms: AlarmRules | None = None,
+                 toolbox: Any = None) -> None:
+        self.cfg, self.agent, self.policy, self.data, self.toolbox = cfg, agent, policy, data, toolbox
+        self.path, self.cache_root, self.seed = Path(stage_path), Path(cache_root), seed
+        self.alarms = alarms or AlarmRules()
+        self.rows: list[RLRow] = read_rl_parquet(data.file("rl_train"))
+        self.steps_per_epoch, self.total_steps = plan_steps(len(self.rows), cfg)
+        self.ckpt_root = self.path / "checkpoints"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.device = pick_device()
+        self.config_hash = hash_value(cfg, agent, seed)
+        self.resumed_from: int | None = None  # the checkpoint step this process resumed from
+
+    # ---- set-up -------------------------------------------------------------------------------------------
+    def _load(self) -> tuple[ckpt.TrainerState, Path | None]:
+        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        self.tokenizer = load_tokenizer(self.policy)
+        source = ModelRef(path=str(latest / "model"), fingerprint="resume") if latest else self.policy
+        self.model = load_policy(source, torch.float32).to(self.device)
+        if self.cfg.trainer.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            self.model.config.use_cache = False
+        self.ref_model = None
+        if self.cfg.loss.kl_coef > 0:  # the frozen reference exists only when it contributes
+            self.ref_model = load_policy(self.policy, torch.float32).to(self.device).eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = make_optimizer(self.model, self.cfg)
+        if latest is None:
+            random.seed(self.seed)
+            np.random.seed(self.seed % 2**32)
+            torch.manual_seed(self.seed)
+            return ckpt.TrainerState(step=0, epoch=0, position=0, config_hash=self.config_hash), None
+        state = ckpt.load_training_state(latest, self.optimizer)
+        self.resumed_from = state.step
+        if state.config_hash and state.config_hash != self.config_hash:
+            raise RuntimeError(f"checkpoint {latest} was written under another configuration; delete "
+                               f"{self.ckpt_root} or run with force=True to start over")
+        return state, latest
+
+    def train(self) -> Path:
+        state, latest = self._load()
+        history = reconcile_metrics(self.metrics_path, state.step, state.metrics if latest else None)
+        pad_id = self.tokenizer.pad_token_id
+        session = RolloutSession(self.cfg, self.agent, self.model, self.tokenizer, self.data, self.cache_root,
+                                 self.seed, self.toolbox)
+        try:
+            with progress() as bar:
+                task = bar.add_task(f"RL ({self.cfg.algorithm})", total=self.total_steps, completed=state.step)
+                while state.step < self.total_steps:
+                    row = self.step(state, session, pad_id, history)
+                    history.append(row)
+                    bar.advance(task)
+        finally:
+            session.close()
+        final = self._final_checkpoint(state, latest)
+        plot_curves(history, self.path / "curves.png")
+        return final
+
+    def _final_checkpoint(self, state: ckpt.TrainerState, latest: Path | None) -> Path:
+        final = ckpt.latest_checkpoint(self.ckpt_root)
+        if final is None or ckpt.read_state(final).step != state.step:
+            final = ckpt.save_checkpoint(self.ckpt_root, state, self.model, self.tokenizer, self.optimizer,
+                                         keep=self.cfg.trainer.keep_checkpoints)
+        write_probe(final, self.model, self.tokenizer)
+        return final
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def batch_rows(self, step: int) -> tuple[list[RLRow], int, int]:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        order = epoch_order(len(self.rows), self.seed, epoch)
+        size = self.cfg.trainer.train_batch_size
+        return [self.rows[i] for i in order[position * size:(position + 1) * size]], epoch, position
+
+    def step(self, state: ckpt.TrainerState, session: RolloutSession, pad_id: int,
+             history: list[dict[str, Any]]) -> dict[str, Any]:
+        times: dict[str, float] = {}
+        start = time.perf_counter()
+        rows, epoch, position = self.batch_rows(state.step)
+        rollouts = session.rollout(rows, seed=rollout_seed(self.seed, state.step))
+        times["rollout"] = time.perf_counter() - start
+        t0 = time.perf_counter()
+        rewards = compute_rewards(self.cfg.trainer.reward, [t.response_text for t in rollouts.trajectories],
+                                  *self._truths(rollouts))
+        times["reward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tensors = build_step_tensors(self.cfg, self.model, self.ref_model, rollouts, [r.score for r in rewards],
+                                     pad_id, self.device)
+        times["old_logprob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        update = ppo_update(self.cfg, self.model, self.optimizer, tensors, self.cfg.rollout.n, self.device)
+        times["update"] = time.perf_counter() - t0
+        state.step += 1
+        state.epoch, state.position = divmod(state.step, self.steps_per_epoch)
+        row = {"step": state.step, "epoch": epoch, "batch_position": position, "pid": os.getpid(),
+               "resumed_from": self.resumed_from,
+               **rollout_metrics(rollouts, rewards), **self._tensor_metrics(tensors), **update}
+        self._dump(state.step, rollouts, rewards, tensors)
+        row |= {f"timing/{k}_s": v for k, v in times.items()}
+        apply_alarms([*history, row], self.alarms)
+        t0 = time.perf_counter()
+        state.metrics = row
+        if state.step % self.cfg.trainer.save_every == 0 or state.step == self.total_steps:
+            ckpt.save_checkpoint(self.ckpt_root, state, self.model, self.tokenizer, self.optimizer,
+                                 keep=self.cfg.trainer.keep_checkpoints)
+        row["timing/checkpoint_s"] = time.perf_counter() - t0
+        row["timing/step_s"] = time.perf_counter() - start
+        append_metrics(self.metrics_path, row)
+        log.info("step %d/%d reward %.3f acc %.2f tools/traj %.2f entropy %.3f (%.1fs)", state.step,
+                 self.total_steps, row["reward/mean"], row["accuracy"], row["tools/calls_per_traj"],
+                 row["entropy/mean"], row["timing/step_s"])
+        return row
+
+    @staticmethod
+    def _truths(rollouts: RolloutBatch) -> tuple[list[str], list[str]]:
+        truths = [g.ground_truth for g in rollouts.groups for _ in g.trajectories]
+        abilities = [g.ability for g in rollouts.groups for _ in g.trajectories]
+        return truths, abilities
+
+    @staticmethod
+    def _tensor_metrics(tensors) -> dict[str, float]:
+        mask = tensors.batch.mask_BT
+        n = mask.sum().clamp(min=1)
+        out = {"entropy/mean": float((tensors.entropy_BT * mask).sum() / n),
+               "advantage/mean_abs": float((tensors.adv_BT.abs() * mask).sum() / n),
+               "rollout/logp_mismatch": float(((tensors.sample_logp_BT - tensors.old_logp_BT).abs() * mask).sum() / n)}
+        if tensors.ref_logp_BT is not None:
+            out["kl/ref"] = float(((tensors.old_logp_BT - tensors.ref_logp_BT) * mask).sum() / n)
+        return out
+
+    def _dump(self, step: int, rollouts: RolloutBatch, rewards, tensors) -> None:
+        if not self.cfg.trainer.dump_rollouts:
+            return
+        mask = tensors.batch.mask_BT
+        per_traj = ((tensors.adv_BT * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+        dump_rollouts(self.path / "rollouts" / f"step_{step:06d}.jsonl", step, rollouts, rewards, self.tokenizer,
+                      per_traj)
+
+
+__all__ = ["RLTrainer", "passthrough", "plan_steps", "rollout_seed", "run_rl"]
