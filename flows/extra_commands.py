@@ -1,4 +1,4 @@
-"""Subcommands owned by other rooms (retriever server, deployments), registered onto the `arpo` parser."""
+"""Subcommands owned by other rooms (retriever server, FSDP merge, deployments), registered onto the `arpo` parser."""
 
 from __future__ import annotations
 
@@ -11,12 +11,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     retriever.add_argument("action", choices=["serve"])
     retriever.add_argument("rest", nargs=argparse.REMAINDER, help="options of the retriever server (see --help)")
     retriever.set_defaults(handler=cmd_retriever)
+    fsdp = sub.add_parser("merge-fsdp", help="merge a verl FSDP actor checkpoint into a safetensors HF folder")
+    fsdp.add_argument("actor_dir", help="verl's global_step_N/actor folder (model_world_size_*_rank_*.pt)")
+    fsdp.add_argument("out_dir", help="the HF folder to write (atomically)")
+    fsdp.add_argument("--config-dir", help="folder with config.json + tokenizer (default: <actor_dir>/huggingface)")
+    fsdp.set_defaults(handler=cmd_merge_fsdp)
 
 
 def cmd_retriever(args: argparse.Namespace) -> int:
     from stages.agent.retriever_server import main
 
     return main(args.rest) or 0
+
+
+def cmd_merge_fsdp(args: argparse.Namespace) -> int:
+    from stages.rl.fsdp_merge import merge_fsdp_shards
+
+    print(merge_fsdp_shards(args.actor_dir, args.out_dir, args.config_dir))
+    return 0
 
 
 def register_deploy(sub: argparse._SubParsersAction) -> None:

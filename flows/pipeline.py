@@ -20,7 +20,7 @@ from tasks.eval_score import report_task
 from tasks.eval_serve import judge_serve_task, serve_task, stop_task
 from tasks.rl import merge_task, rl_task
 from tasks.run_record import record_config_task, summary_task
-from tasks.sft import sft_task
+from tasks.sft import dpo_task, sft_task
 
 
 @flow(name="arpo-pipeline", log_prints=True)
@@ -37,13 +37,19 @@ def pipeline(profile: str = "tiny-cpu", overrides: list[str] | None = None, only
     refs["bootstrap"] = model = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, root, cache)
     if plan.runs("data"):
         refs["data"] = data = run_stage(data_task, plan, "data", cfg.data, root)
+    python = cfg.run.python_for  # per-stage interpreter (run.interpreters), None = this process
     if plan.runs("sft"):
-        refs["sft"] = policy = run_stage(sft_task, plan, "sft", cfg.sft, cfg.agent, model, data, root, cache)
+        refs["sft"] = policy = run_stage(sft_task, plan, "sft", cfg.sft, cfg.agent, model, data, root, cache,
+                                         python=python("sft"))
+        if cfg.sft.dpo.enabled:  # self-critic DPO belongs to the SFT stage: refreshed with it
+            refs["dpo"] = policy = run_stage(dpo_task, plan, "sft", cfg.sft, cfg.agent, policy, data, root,
+                                             cache, python=python("dpo"))
     if plan.runs("rl"):
         refs["rl"] = policy = run_stage(rl_task, plan, "rl", cfg.rl, cfg.agent, policy, data, root, cache,
-                                        seed=cfg.run.seed)
+                                        seed=cfg.run.seed, python=python("rl"))
     if plan.runs("merge"):
-        refs["merge"] = policy = run_stage(merge_task, plan, "merge", cfg.merge, policy, root)
+        refs["merge"] = policy = run_stage(merge_task, plan, "merge", cfg.merge, policy, root,
+                                           python=python("merge"))
     if plan.runs("infer") and cfg.eval.enabled:
         refs.update(evaluate(cfg, plan, policy, data, run_dir))
     return summary_task(run_dir, refs)

@@ -33,7 +33,8 @@ class StageCode(CachePolicy):
 
 
 def stage_cache(stage: str, *packages: str) -> CachePolicy:
-    return (INPUTS - "force") + StageCode(stage=stage, packages=("stages.core", *packages))
+    # `force` says whether to recompute and `python` where to run: neither changes what the stage computes
+    return (INPUTS - "force" - "python") + StageCode(stage=stage, packages=("stages.core", *packages))
 
 
 def stage_task(stage: str, *packages: str, retries: int = 1, retry_delay_seconds: float = 5,

@@ -1,14 +1,15 @@
-"""SFT and self-critic DPO tasks: cached stage calls that publish the loss curve and the metrics table."""
+"""SFT and self-critic DPO tasks: cached stage calls that publish the loss curve and the metrics table.
+
+`python` runs the stage under another interpreter (config `run.interpreters`); it is not part of the cache key.
+"""
 
 from __future__ import annotations
 
 from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from stages.sft import run_sft
-from stages.sft.dpo import run_dpo
 from tasks.artifacts import publish_image, publish_table
-from tasks.common import stage_task
+from tasks.common import call_stage, stage_task
 
 
 def _publish(stage: str, ref: CheckpointRef) -> None:
@@ -21,16 +22,18 @@ def _publish(stage: str, ref: CheckpointRef) -> None:
 
 @stage_task("sft", "stages.sft", "stages.agent")
 def sft_task(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: DatasetRef, output_root: str,
-             cache_root: str, force: bool = False) -> CheckpointRef:
-    ref = run_sft(cfg, agent, model, data, output_root, cache_root, force=force)
+             cache_root: str, python: str | None = None, force: bool = False) -> CheckpointRef:
+    ref = call_stage("stages.sft.stage:run_sft", python, cfg=cfg, agent=agent, model=model, data=data,
+                     output_root=output_root, cache_root=cache_root, force=force)
     _publish("sft", ref)
     return ref
 
 
 @stage_task("dpo", "stages.sft", "stages.agent", "stages.rl")
 def dpo_task(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef, output_root: str,
-             cache_root: str, force: bool = False) -> CheckpointRef:
-    ref = run_dpo(cfg, agent, checkpoint, data, output_root, cache_root, force=force)
-    if ref is not checkpoint:
+             cache_root: str, python: str | None = None, force: bool = False) -> CheckpointRef:
+    ref = call_stage("stages.sft.dpo:run_dpo", python, cfg=cfg, agent=agent, checkpoint=checkpoint, data=data,
+                     output_root=output_root, cache_root=cache_root, force=force)
+    if ref.path != checkpoint.path:
         _publish("dpo", ref)
     return ref

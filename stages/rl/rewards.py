@@ -40,15 +40,23 @@ def _both_tools_used(response: str) -> bool:
     return calls["search"] > 0 and calls["python"] > 0
 
 
-def reference_one(response: str, ground_truth: str) -> Reward:
-    """research/arpo.md 6.1: -1 bad format or no extractable answer; 0 if F1 = 0; F1 otherwise, +0.1 when F1 > 0
-    and both search and python were called."""
+def _answer_or_penalty(response: str) -> str | Reward:
+    """The extracted answer, or the format penalty (-1) when the format check fails or no answer is found."""
     fmt = check_format(response)
     if not fmt.ok:
         return Reward(FORMAT_PENALTY, False, fmt.reason, None, 0.0)
     answer = extract_answer(response)
     if answer is None:
         return Reward(FORMAT_PENALTY, False, "cannot extract the answer", None, 0.0)
+    return answer
+
+
+def reference_one(response: str, ground_truth: str) -> Reward:
+    """research/arpo.md 6.1: -1 bad format or no extractable answer; 0 if F1 = 0; F1 otherwise, +0.1 when F1 > 0
+    and both search and python were called."""
+    answer = _answer_or_penalty(response)
+    if isinstance(answer, Reward):
+        return answer
     f1 = f1_score(answer, ground_truth)
     correct = exact_match(answer, ground_truth) == 1.0
     if f1 == 0:
@@ -74,12 +82,9 @@ def reference_reward(responses: list[str], ground_truths: list[str], abilities: 
 def math_one(response: str, ground_truth: str) -> Reward:
     """Math rows: -1 bad format / no answer; 1 when math-verify finds the answer equal to the gold, else 0;
     +0.1 on a correct answer when both tools were called (the same bonus as the reference)."""
-    fmt = check_format(response)
-    if not fmt.ok:
-        return Reward(FORMAT_PENALTY, False, fmt.reason, None, 0.0)
-    answer = extract_answer(response)
-    if answer is None:
-        return Reward(FORMAT_PENALTY, False, "cannot extract the answer", None, 0.0)
+    answer = _answer_or_penalty(response)
+    if isinstance(answer, Reward):
+        return answer
     f1 = f1_score(answer, ground_truth)
     if not math_equivalent(answer, ground_truth):
         return Reward(0.0, False, "math not equal", answer, f1)

@@ -57,23 +57,31 @@ def sft_train_args(cfg: SFTSection, *, model_path: str, template: str, dataset_d
     if tokenized_path:
         args["tokenized_path"] = tokenized_path
     args |= _output_args(cfg.logging_steps, cfg.save_steps, cfg.save_total_limit, output_dir)
-    args |= {
-        "per_device_train_batch_size": cfg.per_device_train_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "learning_rate": cfg.learning_rate,
-        "num_train_epochs": cfg.num_train_epochs,
-        "lr_scheduler_type": cfg.lr_scheduler_type,
-        "warmup_ratio": cfg.warmup_ratio,
-        "bf16": cfg.bf16,
+    args |= _optim_args(cfg, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.learning_rate,
+                        cfg.num_train_epochs, cfg.max_steps, resume_from)
+    return args | dict(cfg.extra_args)
+
+
+def _optim_args(sft: SFTSection, batch: int, accumulation: int, learning_rate: float, epochs: float,
+                max_steps: int | None, resume_from: str | None) -> dict[str, Any]:
+    """Batch, schedule and precision; DPO takes its own batch/lr/epochs and SFT's schedule, precision and seed."""
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": accumulation,
+        "learning_rate": learning_rate,
+        "num_train_epochs": epochs,
+        "lr_scheduler_type": sft.lr_scheduler_type,
+        "warmup_ratio": sft.warmup_ratio,
+        "bf16": sft.bf16,
         "fp16": False,
         "ddp_timeout": DDP_TIMEOUT,
-        "seed": cfg.seed,
+        "seed": sft.seed,
     }
-    if cfg.max_steps is not None:
-        args["max_steps"] = cfg.max_steps
+    if max_steps is not None:
+        args["max_steps"] = max_steps
     if resume_from:
         args["resume_from_checkpoint"] = resume_from
-    return args | dict(cfg.extra_args)
+    return args
 
 
 def _output_args(logging_steps: int, save_steps: int, save_total_limit: int, output_dir: str) -> dict[str, Any]:
@@ -115,23 +123,8 @@ def dpo_train_args(dpo: DPOSection, sft: SFTSection, *, model_path: str, templat
         "dataloader_num_workers": sft.dataloader_num_workers,
     }
     args |= _output_args(sft.logging_steps, sft.save_steps, sft.save_total_limit, output_dir)
-    args |= {
-        "per_device_train_batch_size": dpo.per_device_train_batch_size,
-        "gradient_accumulation_steps": dpo.gradient_accumulation_steps,
-        "learning_rate": dpo.learning_rate,
-        "num_train_epochs": dpo.num_train_epochs,
-        "lr_scheduler_type": sft.lr_scheduler_type,
-        "warmup_ratio": sft.warmup_ratio,
-        "bf16": sft.bf16,
-        "fp16": False,
-        "ddp_timeout": DDP_TIMEOUT,
-        "seed": sft.seed,
-    }
-    if dpo.max_steps is not None:
-        args["max_steps"] = dpo.max_steps
-    if resume_from:
-        args["resume_from_checkpoint"] = resume_from
-    return args
+    return args | _optim_args(sft, dpo.per_device_train_batch_size, dpo.gradient_accumulation_steps,
+                              dpo.learning_rate, dpo.num_train_epochs, dpo.max_steps, resume_from)
 
 
 def export_args(*, model_path: str, adapter_path: str, template: str, export_dir: str, bf16: bool,

@@ -3,15 +3,18 @@ refreshed stage and what depends on it, a config change recomputes only the stag
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from prefect import flow
 
-from stages.core.config import load_config
+from stages.core.config import ConfigError, load_config
+from stages.core.config.data import DataSection
 from stages.core.plan import make_plan
+from stages.core.refs import DatasetRef
 from tasks.bootstrap import bootstrap_task
-from tasks.common import run_stage
+from tasks.common import call_stage, run_stage, stage_task
 from tasks.data import data_task
 from tests.conftest import PROJECT_ROOT, TEST_OUTPUTS
 
@@ -63,3 +66,30 @@ def test_refreshed_output_gets_a_new_fingerprint(tmp_path: Path) -> None:
     first = data_only(False)
     assert data_only(False) == first
     assert data_only(True) != first       # downstream keys on the fingerprint, so it recomputes too
+
+
+@stage_task("data-isolated", "stages.data")
+def isolated_data_task(cfg: DataSection, output_root: str, python: str | None = None,
+                       force: bool = False) -> DatasetRef:
+    return call_stage("stages.data.prepare:prepare_data", python, cfg=cfg, output_root=output_root)
+
+
+@flow
+def isolated_data(seed: int, python: str | None) -> tuple[str, DatasetRef]:
+    cfg = load_config("tiny-cpu", [f"data.synthetic.seed={seed}"])
+    state = run_stage(isolated_data_task, make_plan(), "data", cfg.data, str(TEST_OUTPUTS / "flowtest"),
+                      python=python, return_state=True)
+    return state.name, state.result()
+
+
+def test_stage_under_another_interpreter_shares_the_cache() -> None:
+    # computed by a child interpreter (the run.interpreters route) ...
+    state, ref = isolated_data(106, sys.executable)
+    assert state == "Completed" and Path(ref.files["rl_train"]).is_file()
+    # ... and the in-process route finds it cached: the interpreter is where a stage runs, not what it computes
+    assert isolated_data(106, None) == ("Cached", ref)
+
+
+def test_interpreters_only_for_training_stages() -> None:
+    with pytest.raises(ConfigError, match=r"run.interpreters names \['serve'\]"):
+        load_config("tiny-cpu", ["run.interpreters={serve: /usr/bin/python3}"])

@@ -22,6 +22,10 @@ from stages.core.env import PROJECT_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 EVAL = {"infer", "score", "report"}
+# The tiny chain with shorter budgets: this test is about deployment, caching and reruns, and the four runs must fit
+# CI's 2 cores next to the rest of the suite. The README's main command runs the full tiny profile.
+SHORTER = ["sft.n_trajectories=12", "sft.max_steps=6", "rl.trainer.total_steps=1", "rl.rollout.max_response_length=128",
+           "eval.max_questions=2", "eval.max_tokens=128", "eval.max_total_tokens=384"]
 
 
 def _free_port() -> int:
@@ -52,7 +56,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory):
 def run_deployment(deployed: dict, *params: str) -> tuple[str, dict[str, set[str]]]:
     """`prefect deployment run ... --watch`; return the flow run id and {task name: {state names}}."""
     outputs = deployed["outputs"]
-    overrides = json.dumps([f"run.output_root={outputs}", "eval.max_questions=2"] + list(params[1:]))
+    overrides = json.dumps([f"run.output_root={outputs}", *SHORTER] + list(params[1:]))
     cmd = [sys.executable, "-m", "prefect", "deployment", "run", "arpo-pipeline/pipeline-tiny", "--watch",
            "--watch-timeout", "3000", "--param", f"overrides={overrides}"]
     if params and params[0]:

@@ -4,11 +4,14 @@ reassembled into an HF folder whose weights equal the original exactly."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from stages.core.env import PROJECT_ROOT
 from stages.rl.fsdp_merge import find_shards, merge_fsdp_shards
 
 pytestmark = pytest.mark.integration
@@ -68,6 +71,12 @@ def test_fsdp_shards_merge_back_exactly(tiny_llama_dir, tmp_path):
     assert set(merged) == set(original)
     for key, tensor in original.items():
         assert torch.equal(merged[key], tensor), key
+    # the same merge from the command line (`arpo merge-fsdp`) writes the same weights
+    cli = subprocess.run([sys.executable, "-m", "flows.cli", "merge-fsdp", str(actor), str(tmp_path / "hf-cli"),
+                          "--config-dir", str(tiny_llama_dir)], capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    from_cli = load_file(str(tmp_path / "hf-cli" / "model.safetensors"))
+    assert all(torch.equal(from_cli[key], tensor) for key, tensor in merged.items())
 
 
 def test_missing_rank_is_named(tmp_path):

@@ -2,9 +2,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from stages.core.config.section import Section
+
+
+# Training stages run in-process by default; these may be sent to another interpreter instead.
+ISOLATABLE_STAGES = ("sft", "dpo", "rl", "merge")
 
 
 class RunSection(Section):
@@ -20,6 +24,15 @@ class RunSection(Section):
         default_factory=dict,
         description="stage -> python executable to run that stage under (e.g. rl: /opt/vllm-env/bin/python); "
                     "stages not listed run in this process")
+
+    @field_validator("interpreters")
+    @classmethod
+    def _known_stages(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(ISOLATABLE_STAGES))
+        if unknown:
+            raise ValueError(f"run.interpreters names {unknown}; stages that can run under another interpreter are "
+                             f"{list(ISOLATABLE_STAGES)} (serving uses serve.vllm.executable)")
+        return value
 
     def python_for(self, stage: str) -> str | None:
         return self.interpreters.get(stage)
