@@ -68,16 +68,21 @@ def run_deployment(deployed: dict, *params: str) -> tuple[str, dict[str, set[str
 
 
 def task_states(env: dict, flow_run_id: str) -> dict[str, set[str]]:
+    """Task runs of the flow run and of its subflows (infer/score run inside the `evaluate` subflow)."""
     code = f"""
 import asyncio, json
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 async def main():
     async with get_client() as client:
-        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=["{flow_run_id}"])))
-        out = {{}}
-        for run in runs:
-            out.setdefault(run.name, []).append(run.state.name)  # task run name = stage name (tasks/common.py)
+        out, pending = {{}}, ["{flow_run_id}"]
+        while pending:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=pending)))
+            for run in runs:
+                out.setdefault(run.name, []).append(run.state.name)  # task run name = stage name (tasks/common.py)
+            children = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=pending)))
+            pending = [str(child.id) for child in children]
         print(json.dumps(out))
 asyncio.run(main())
 """
@@ -97,11 +102,11 @@ def computed(states: dict[str, set[str]]) -> set[str]:
 
 def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
     run_id, states = run_deployment(deployed, "")
+    deployed["first_run"] = run_id
     assert {"data", "sft", "rl", "merge", "infer", "score", "report"} <= computed(states), states
     record = deployed["outputs"] / "runs" / "latest"
     refs = json.loads((record / "refs.json").read_text())
     assert Path(refs["report"]["path"]).exists()
-    deployed["first_run"] = run_id
 
 
 def test_second_run_recomputes_nothing(deployed: dict) -> None:
