@@ -106,7 +106,11 @@ def start_prefect_server(port: int = UI_PORT):
 
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    return services.start("prefect-server", cmd, health_url=f"{url}/api/health", url=url, timeout=180)
+    # The web UI asks the API at PREFECT_SERVER_UI_API_URL, which otherwise defaults to port 4200 (or to a
+    # PREFECT_API_URL inherited from the shell): on any other port the page would load and show nothing.
+    env = {"PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
+           "PREFECT_SERVER_UI_API_URL": f"{url}/api", "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+    return services.start("prefect-server", cmd, health_url=f"{url}/api/health", url=url, timeout=180, env=env)
 
 
 def use_local_server_if_running() -> str | None:

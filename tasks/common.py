@@ -32,6 +32,18 @@ class StageCode(CachePolicy):
         return hash_value(self.stage, code_version(*self.packages))
 
 
+@dataclass
+class SectionFields(CachePolicy):
+    """Keys on some fields of one config-section input, so settings a stage never reads do not invalidate it."""
+
+    arg: str = ""
+    fields: frozenset[str] = frozenset()
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str:
+        return hash_value(self.arg, inputs[self.arg].model_dump(include=set(self.fields)))
+
+
 def stage_cache(stage: str, *packages: str) -> CachePolicy:
     # `force` says whether to recompute and `python` where to run: neither changes what the stage computes
     return (INPUTS - "force" - "python") + StageCode(stage=stage, packages=("stages.core", *packages))

@@ -1,7 +1,9 @@
-"""Inference task: cached on the config sections, model, data and benchmark, but not on the endpoint.
+"""Inference task: cached on the generation settings, agent, model, data and benchmark, but not on the endpoint.
 
 The endpoint's URL and port change every time a server starts, so the cache policy leaves it out; which
-model answers is keyed through `model` (its fingerprint), and the stage folder key includes it too.
+model answers is keyed through `model` (its fingerprint), and the stage folder key includes it too. Of the
+`eval` section only the fields generation reads count (GENERATION_KEYS, as in the stage folder key): changing
+the judge, pass@k or the bootstrap rescores the saved predictions instead of generating them again.
 """
 
 from __future__ import annotations
@@ -9,11 +11,12 @@ from __future__ import annotations
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import EvalSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
-from stages.eval.inference import CODE, run_inference
+from stages.eval.inference import CODE, GENERATION_KEYS, run_inference
 from tasks.artifacts import publish_table
-from tasks.common import stage_cache, stage_task
+from tasks.common import SectionFields, stage_cache, stage_task
 
-INFER_CACHE = stage_cache("eval-infer", *CODE) - "endpoint"
+INFER_CACHE = (stage_cache("eval-infer", *CODE) - "endpoint" - "cfg"
+               + SectionFields(arg="cfg", fields=frozenset(GENERATION_KEYS)))
 
 
 @stage_task("eval-infer", *CODE)

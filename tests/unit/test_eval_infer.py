@@ -111,3 +111,19 @@ def test_infer_task_cache_ignores_the_endpoint_but_not_the_model() -> None:
     other = MODEL.model_copy(update={"fingerprint": "b" * 16})
     assert INFER_CACHE.compute_key(None, inputs | {"model": other}, {}) != key
     assert INFER_CACHE.compute_key(None, inputs | {"benchmark": "aime24"}, {}) != key
+
+
+def test_infer_task_cache_ignores_scoring_settings_but_not_generation_ones() -> None:
+    from stages.core.config.eval import JudgeSection
+    from tasks.eval_infer import INFER_CACHE
+
+    cfg = EvalSection()
+    inputs = {"cfg": cfg, "agent": AgentSection(), "benchmark": "gsm8k", "model": MODEL, "endpoint": CPU,
+              "data": DATA, "output_root": "out", "cache_root": ".cache", "force": False}
+    key = INFER_CACHE.compute_key(None, inputs, {})
+    rescoring = cfg.model_copy(update={"judge": JudgeSection(enabled=False), "pass_k": [1, 4], "bootstrap_seed": 3,
+                                       "concurrency": 2})
+    assert INFER_CACHE.compute_key(None, inputs | {"cfg": rescoring}, {}) == key
+    for field, value in (("temperature", 0.0), ("samples", 4), ("max_tokens", 64), ("max_search", 1)):
+        changed = cfg.model_copy(update={field: value})
+        assert INFER_CACHE.compute_key(None, inputs | {"cfg": changed}, {}) != key, field
