@@ -14,6 +14,7 @@ from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.eval.inference import CODE, GENERATION_KEYS, run_inference
 from tasks.artifacts import publish_table
 from tasks.common import SectionFields, stage_cache, stage_task
+from tasks.secrets import export_search_key
 
 INFER_CACHE = (stage_cache("eval-infer", *CODE) - "endpoint" - "cfg"
                + SectionFields(arg="cfg", fields=frozenset(GENERATION_KEYS)))
@@ -22,6 +23,7 @@ INFER_CACHE = (stage_cache("eval-infer", *CODE) - "endpoint" - "cfg"
 @stage_task("eval-infer", *CODE)
 def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
            data: DatasetRef, output_root: str, cache_root: str, force: bool = False) -> PredictionsRef:
+    export_search_key(agent)
     ref = run_inference(cfg, agent, benchmark, model, endpoint, data, output_root, cache_root, force=force)
     publish_table(f"infer-{benchmark}", [{"benchmark": benchmark, **ref.meta, "path": ref.path}],
                   f"Predictions for {benchmark}")

@@ -13,12 +13,14 @@ from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.rl.metrics import rollout_sample_markdown
 from tasks.artifacts import publish_image, publish_markdown, publish_table
 from tasks.common import call_stage, stage_task
+from tasks.secrets import export_search_key
 
 
 @stage_task("rl", "stages.rl", "stages.agent")
 def rl_task(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
             output_root: str, cache_root: str, seed: int = 0, python: str | None = None,
             force: bool = False) -> CheckpointRef:
+    export_search_key(agent)
     ref = call_stage("stages.rl.trainer:run_rl", python, cfg=cfg, agent=agent, policy=policy, data=data,
                      output_root=output_root, cache_root=cache_root, seed=seed, force=force)
     if ref.format == "trainer":

@@ -10,6 +10,7 @@ from stages.core.config.sft import SFTSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.artifacts import publish_image, publish_table
 from tasks.common import call_stage, stage_task
+from tasks.secrets import export_search_key
 
 
 def _publish(stage: str, ref: CheckpointRef) -> None:
@@ -23,6 +24,7 @@ def _publish(stage: str, ref: CheckpointRef) -> None:
 @stage_task("sft", "stages.sft", "stages.agent")
 def sft_task(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: DatasetRef, output_root: str,
              cache_root: str, python: str | None = None, force: bool = False) -> CheckpointRef:
+    export_search_key(agent)
     ref = call_stage("stages.sft.stage:run_sft", python, cfg=cfg, agent=agent, model=model, data=data,
                      output_root=output_root, cache_root=cache_root, force=force)
     _publish("sft", ref)
@@ -32,6 +34,7 @@ def sft_task(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: Datase
 @stage_task("dpo", "stages.sft", "stages.agent", "stages.rl")
 def dpo_task(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef, output_root: str,
              cache_root: str, python: str | None = None, force: bool = False) -> CheckpointRef:
+    export_search_key(agent)
     ref = call_stage("stages.sft.dpo:run_dpo", python, cfg=cfg, agent=agent, checkpoint=checkpoint, data=data,
                      output_root=output_root, cache_root=cache_root, force=force)
     if ref.path != checkpoint.path:

@@ -2,8 +2,9 @@
 
 Request: `POST {endpoint}` with `Authorization: Bearer <key>` and `{"zone", "url": <bing search URL with
 brd_json=1>, "format": "raw"}`; the answer is the SERP as JSON, whose `organic[].description` snippets become
-passages (stripped, de-duplicated, in order). The key comes from the environment variable `api_key_env`, else
-from the Prefect Secret block `secret_block`; never from a file in the repository. Requests are rate limited
+passages (stripped, de-duplicated, in order). The key comes from the environment variable `api_key_env`, which
+the pipeline's tasks fill from the Prefect Secret block `secret_block` when it is unset (tasks/secrets.py);
+never from a file in the repository. Requests are rate limited
 and retried with exponential backoff on network errors, HTTP 429 and 5xx.
 """
 
@@ -24,25 +25,13 @@ class _Retryable(Exception):
 
 
 def resolve_api_key(cfg: WebSearchSection) -> str:
-    """The API key from the environment, else from a Prefect Secret block; a clear error when neither has it."""
+    """The API key from the environment (a task exports it there from `secret_block`); a clear error otherwise."""
     key = os.environ.get(cfg.api_key_env, "").strip()
     if key:
         return key
-    if cfg.secret_block:
-        try:
-            from prefect.blocks.system import (
-                Secret,  # optional: stages/ must not need prefect
-            )
-
-            key = str(Secret.load(cfg.secret_block).get()).strip()
-        except Exception as err:
-            raise SearchError(f"web search: environment variable {cfg.api_key_env} is unset and the Prefect "
-                              f"Secret block {cfg.secret_block!r} could not be read ({err}); create it with "
-                              f"`prefect block create secret` or export {cfg.api_key_env}") from err
-        if key:
-            return key
     raise SearchError(f"web search needs an API key: export {cfg.api_key_env}=<your Bright Data key> or set "
-                      "agent.search.web.secret_block to a Prefect Secret block holding it")
+                      "agent.search.web.secret_block to a Prefect Secret block holding it (read by the pipeline's "
+                      "tasks, tasks/secrets.py)")
 
 
 def is_chinese(text: str) -> bool:
