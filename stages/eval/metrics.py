@@ -21,7 +21,13 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from stages.agent.scoring import exact_match, f1_score, math_equivalent, normalize_answer, unwrap_text
+from stages.agent.scoring import (
+    exact_match,
+    f1_score,
+    math_equivalent,
+    normalize_answer,
+    unwrap_text,
+)
 from stages.core.log import get_logger, progress
 
 log = get_logger(__name__)

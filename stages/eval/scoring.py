@@ -24,8 +24,13 @@ from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import stage_dir
 from stages.eval.benchmarks import headline_metric
 from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict, judge_identity
-from stages.eval.metrics import (MathVerifier, effective_prediction, qa_metrics, sample_score,
-                                 tool_productivity)
+from stages.eval.metrics import (
+    MathVerifier,
+    effective_prediction,
+    qa_metrics,
+    sample_score,
+    tool_productivity,
+)
 from stages.eval.passk import summarize
 
 log = get_logger(__name__)

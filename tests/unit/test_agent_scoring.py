@@ -11,9 +11,9 @@ from stages.agent.scoring import (
     exact_match,
     f1_score,
     math_equivalent,
-    unwrap_text,
     normalize_answer,
     parse_gold,
+    unwrap_text,
 )
 
 

@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 
 from stages.core.errors import MissingInputError
-from stages.eval.benchmarks import (BENCHMARKS, GOLD_PARSERS, check_benchmarks, get_spec, load_benchmark,
-                                     prompt_template_for)
+from stages.eval.benchmarks import (
+    BENCHMARKS,
+    GOLD_PARSERS,
+    check_benchmarks,
+    get_spec,
+    load_benchmark,
+    prompt_template_for,
+)
 
 # name -> (folder under shared/data/eval, rows in the file, task type); counts from shared/data/README.md
 SHARED = {
@@ -172,8 +178,8 @@ def test_check_benchmarks_fails_before_work_listing_every_missing_file(tmp_path,
 
 def test_per_benchmark_prompt_templates():
     from stages.agent.prompts import system_prompt, template_tools
-    from stages.core.config.eval import EvalSection
     from stages.core.config.agent import AgentSection
+    from stages.core.config.eval import EvalSection
     from stages.eval.inference import benchmark_template
 
     # the reference runs xbench through infer_cn.py with its Chinese `code_search_cn` system prompt, everything
@@ -288,9 +294,9 @@ def _summary(benchmark: str, accuracy_metric: str, correct_metric: str, accuracy
 
 
 def test_report_compares_the_same_metric_and_shows_the_judge_beside_it():
-    from stages.eval.report import load_reference_numbers, render_markdown, report_rows
-
     import pandas as pd
+
+    from stages.eval.report import load_reference_numbers, render_markdown, report_rows
 
     reference = load_reference_numbers()
     # arpo-qwen2.5-7b publishes 2Wiki pass@1 76.1 as F1 and WebWalker pass@1 26.0 as llm_equal (ARPO issue #60).

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from stages.eval.benchmarks import GOLD_PARSERS
-from stages.eval.metrics import (MathVerifier, cover_match, effective_prediction, qa_metrics, sample_score,
-                                 tool_productivity)
+from stages.eval.metrics import (
+    MathVerifier,
+    cover_match,
+    effective_prediction,
+    qa_metrics,
+    sample_score,
+    tool_productivity,
+)
 
 
 def test_list_golds_score_against_every_alias():

@@ -11,8 +11,8 @@ import torch
 from stages.core.config import ConfigError, load_config
 from stages.core.config.rl import RolloutSection
 from stages.core.registry import UnknownNameError
-from stages.rl.backends.sampling import sample_tokens
 from stages.rl.backends.base import SamplingSpec
+from stages.rl.backends.sampling import sample_tokens
 from stages.rl.backends.vllm_backend import result_from_output
 from stages.rl.branching import aepo_branch_probability, arpo_branch_probability
 from stages.rl.entropy import (

@@ -59,7 +59,7 @@ class RolloutSection(Section):
         return data
 
     @model_validator(mode="after")
-    def _budget(self) -> "RolloutSection":
+    def _budget(self) -> RolloutSection:
         if self.initial_rollouts > self.n:
             raise ValueError(f"rl.rollout.initial_rollouts={self.initial_rollouts} exceeds rl.rollout.n={self.n}; "
                              "lower initial_rollouts or raise n")
@@ -147,7 +147,7 @@ class RLSection(Section):
         return {**data, **{name: _fill_unset(data.get(name), values) for name, values in implied.items()}}
 
     @model_validator(mode="after")
-    def _one_algorithm(self) -> "RLSection":
+    def _one_algorithm(self) -> RLSection:
         algo = self.algorithm
         if self.rollout.strategy != algo:
             raise ValueError(f"rl.rollout.strategy={self.rollout.strategy} contradicts rl.algorithm={algo}: the "
