@@ -30,12 +30,7 @@ configure_environment()
 
 import torch
 
-ALGOS = {
-    "grpo": ["rl.algorithm=grpo", "rl.rollout.strategy=grpo"],
-    "arpo": ["rl.algorithm=arpo", "rl.rollout.strategy=arpo"],
-    "aepo": ["rl.algorithm=aepo", "rl.rollout.strategy=aepo", "rl.rollout.branch_penalty=0.05",
-             "rl.loss.policy_loss=aepo_balanced_clip", "rl.advantage.entropy_aware=true"],
-}
+ALGOS = {name: [f"rl.algorithm={name}"] for name in ("grpo", "arpo", "aepo")}  # aepo: its defaults come with it
 ROOT = PROJECT_ROOT / ".cache" / "bench-rl"  # own folder: other benches clean theirs
 CACHE = PROJECT_ROOT / ".cache"
 

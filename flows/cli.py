@@ -1,6 +1,7 @@
 """`arpo`: the front door. Run the pipeline (or part of it), inspect configs, manage the local Prefect UI.
 
-Config errors are reported before Prefect is even imported; exit code 2 means "fix your input".
+Config errors are reported before Prefect is even imported; exit code 2 means "fix your input" (a bad
+config, a missing or malformed data file: `stages.core.errors.InputError`, printed as its message only).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "handler"):
         parser.print_help()
         return 2
-    from stages.core.config import ConfigError
+    from stages.core.errors import InputError
     from stages.core.plan import PlanError
 
     try:
         return args.handler(args) or 0
-    except (ConfigError, PlanError) as err:
+    except (InputError, PlanError) as err:  # bad config or data: the message says what to fix, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -132,6 +133,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.profile, args.override)  # fail fast on config errors
     plan = make_plan(args.only, args.until, args.refresh, args.refresh_from)
+    if plan.runs("infer") and cfg.eval.enabled:
+        from stages.eval.benchmarks import check_benchmarks
+
+        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root)  # and on missing benchmark files
     ui = None if args.ephemeral else use_local_server_if_running()
     import torch
 

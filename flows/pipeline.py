@@ -13,6 +13,7 @@ from prefect import flow
 from flows.evaluate import FANOUT
 from stages.core.config import load_config
 from stages.core.plan import StageName, make_plan
+from stages.eval.benchmarks import check_benchmarks
 from tasks.bootstrap import bootstrap_task
 from tasks.common import run_stage
 from tasks.data import data_task
@@ -31,6 +32,8 @@ def pipeline(profile: str = "tiny-cpu", overrides: list[str] | None = None, only
     comes from cache); refresh / refresh_from: recompute these stages (and, for refresh_from, all after it)."""
     cfg = load_config(profile, overrides or [])  # a bad key fails here, before any work
     plan = make_plan(only, until, refresh, refresh_from)
+    if plan.runs("infer") and cfg.eval.enabled:
+        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root)  # so does a missing benchmark file
     root, cache = cfg.run.output_root, cfg.run.cache_root
     run_dir = record_config_task(cfg, plan.describe())
     refs: dict[str, Any] = {}

@@ -3,6 +3,9 @@
 Cache key = hash(task inputs except `force`) + hash(stage name, code version of the packages the stage runs).
 Inputs are config sections (frozen pydantic) and refs (paths + fingerprints), so changing a section or an
 upstream output changes the key, and so does editing any module of the stage's packages.
+
+Retries are for transient failures only: a stage raising `stages.core.errors.InputError` (bad config, missing
+or malformed data) fails at once, since the same inputs would fail the same way.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from typing import Any, TypeVar
 
 from prefect import Task, task
 from prefect.cache_policies import INPUTS, CachePolicy
+from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
+from prefect.states import State
 
+from stages.core.errors import InputError
 from stages.core.fingerprint import code_version, hash_value
 
 R = TypeVar("R")
@@ -49,12 +55,21 @@ def stage_cache(stage: str, *packages: str) -> CachePolicy:
     return (INPUTS - "force" - "python") + StageCode(stage=stage, packages=("stages.core", *packages))
 
 
+def retry_unless_input_error(task_: Task, task_run: TaskRun, state: State) -> bool:
+    """Prefect `retry_condition_fn`: retry a failure unless it is an InputError (deterministic)."""
+    failure = state.data
+    if isinstance(failure, State):  # the task returned a failed state instead of raising
+        failure = failure.data
+    return not isinstance(failure, InputError)
+
+
 def stage_task(stage: str, *packages: str, retries: int = 1, retry_delay_seconds: float = 5,
                tags: tuple[str, ...] = (), timeout_seconds: float | None = None) -> Callable[[Callable[..., R]], Task]:
-    """Decorator for a stage task: cached by `stage_cache`, results persisted, idempotent so retried."""
+    """Decorator for a stage task: cached by `stage_cache`, results persisted, idempotent so retried (transient
+    failures only: `retry_unless_input_error`)."""
     return task(name=stage, cache_policy=stage_cache(stage, *packages), persist_result=True, retries=retries,
-                retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
-                task_run_name=f"{stage}")
+                retry_delay_seconds=retry_delay_seconds, retry_condition_fn=retry_unless_input_error,
+                tags=list(tags), timeout_seconds=timeout_seconds, task_run_name=f"{stage}")
 
 
 def refreshed(stage_task_: Task, refresh: bool) -> Task:

@@ -1,7 +1,8 @@
 """Chat messages for the TIR protocol from the prompt templates in configs/templates/.
 
-Templates (file stems): `tir_search_python` (the reference system prompt, research/arpo.md 4.2), `tir_search`
-(search only), `tir_python` (python only), `no_tool`. Which tools a template offers is read from the tags
+Templates (file stems): `tir_search_python` (the reference system prompt, research/arpo.md 4.2),
+`tir_search_python_zh` (the reference's Chinese prompt `code_search_cn`, which its Chinese inference script uses
+for xbench), `tir_search` (search only), `tir_python` (python only), `no_tool`. Which tools a template offers is read from the tags
 its text demonstrates, so a new template file needs no code change.
 """
 

@@ -9,6 +9,10 @@
 - `math_equivalent`: math-verify. math-verify enforces its timeouts with `signal.alarm`, which only works in the
   main thread; called from any other thread this function disables math-verify's timeouts and instead refuses
   inputs longer than `MAX_MATH_CHARS` (the pathological cases are huge expressions). Safe from any thread.
+  An escaped dollar `\\$` is a currency sign, not a math delimiter: it is dropped first (as the reference's
+  `strip_string` does), so MATH500 golds such as `\\$18.90` can be matched.
+- `unwrap_text`: `\\text{Frank Lowy}` -> `Frank Lowy` (also \\textbf, \\textit, \\textrm, \\mathrm, \\mbox),
+  for EM / F1 of answers the model boxed as LaTeX text (the reference's evaluation unwraps `\\text{}`).
 """
 
 from __future__ import annotations
@@ -91,8 +95,28 @@ def f1_score(pred: str | None, golds: Any) -> float:
     return max(_f1_one(pred, g) for g in parse_gold(golds))
 
 
+_TEXT_MACRO = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mbox)\s*\{")
+
+
+def unwrap_text(text: str) -> str:
+    """Replace every `\\text{...}` (and the other text macros) by its content, braces balanced, nested ones too:
+    `\\text{Frank Lowy}` -> `Frank Lowy`; `5.4 \\text{ cents}` -> `5.4  cents`. An unclosed group is left as is."""
+    out, pos = [], 0
+    while (match := _TEXT_MACRO.search(text, pos)) is not None:
+        depth, end = 1, match.end()
+        while end < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            end += 1
+        if depth:
+            break
+        out.append(text[pos:match.start()] + unwrap_text(text[match.end():end - 1]))
+        pos = end
+    return "".join(out) + text[pos:]
+
+
 def _latex(text: str) -> str:
-    text = text.strip()
+    # `\$` is an escaped dollar (currency), not a math delimiter; math-verify would read it as one and parse nothing
+    text = text.replace("\\$", "").strip()
     return text if any(d in text for d in _LATEX_DELIMS) else f"${text}$"
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from stages.core.env import PROJECT_ROOT
+from stages.core.errors import BadInputError, InputError, MissingInputError
 from stages.core.fingerprint import _plain
 
 
@@ -48,10 +49,13 @@ def call_in_interpreter(python: str, target: str, kwargs: dict[str, Any], timeou
                                                                          os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run([python, "-m", "stages.core.isolate", str(request), str(response)], env=env,
                               timeout=timeout, cwd=os.getcwd())
-        if proc.returncode != 0 or not response.is_file():
+        payload = json.loads(response.read_text()) if response.is_file() else {}
+        if "input_error" in payload:  # deterministic: re-raised as such, so the task layer does not retry it
+            kind = MissingInputError if payload.get("missing") else BadInputError
+            raise kind(payload["input_error"])
+        if proc.returncode != 0 or "result" not in payload:
             raise IsolatedStageError(f"{target} under {python} exited with code {proc.returncode}; "
                                      "its output is above in the log")
-        payload = json.loads(response.read_text())
     hint = typing.get_type_hints(fn).get("return", Any)
     return TypeAdapter(hint).validate_python(payload["result"])
 
@@ -66,7 +70,13 @@ def _run_child(request_path: str, response_path: str) -> None:
         if name not in params:
             raise TypeError(f"{request['target']} has no parameter {name!r}")
         kwargs[name] = TypeAdapter(hints.get(name, Any)).validate_python(value)
-    result = fn(**kwargs)
+    try:
+        result = fn(**kwargs)
+    except InputError as err:  # the message is the whole story (the parent re-raises it): no traceback
+        Path(response_path).write_text(json.dumps({"input_error": str(err),
+                                                   "missing": isinstance(err, FileNotFoundError)}))
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     Path(response_path).write_text(json.dumps({"result": _plain(result)}))
 
 

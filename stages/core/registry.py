@@ -9,11 +9,13 @@ import difflib
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
+from stages.core.errors import InputError
+
 F = TypeVar("F", bound=Callable)
 
 
-class UnknownNameError(KeyError):
-    """Raised when a registry lookup misses; the message lists the known names."""
+class UnknownNameError(InputError, KeyError):
+    """Raised when a registry lookup misses; the message lists the known names (a config error: not retried)."""
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want the plain sentence
         return str(self.args[0])

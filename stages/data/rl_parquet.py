@@ -14,10 +14,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stages.core.errors import BadInputError, MissingInputError
+
 BACKSPACE_BOXED = "\x08oxed"  # the reference data has "\b" where "\\b" was meant
 
 
-class DatasetRowError(ValueError):
+class DatasetRowError(BadInputError):
     def __init__(self, path: str | Path, row: int, problem: str) -> None:
         super().__init__(f"{path} row {row}: {problem}")
         self.path, self.row, self.problem = str(path), row, problem
@@ -76,7 +78,7 @@ def read_rl_parquet(path: str | Path, fix_backspace_boxed: bool = True, limit: i
     (each names file and row) and left out."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"RL parquet {path} does not exist; set data.train_path / data.valid_path")
+        raise MissingInputError(f"RL parquet {path} does not exist; set data.train_path / data.valid_path")
     table = pq.read_table(path)
     missing = {"prompt", "reward_model"} - set(table.column_names)
     if missing:

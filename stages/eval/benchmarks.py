@@ -3,9 +3,10 @@
 A spec says where the file lives under `eval.data_root` (the reference layout `<dir>/test.jsonl`), which field
 holds the question and the answer, how the gold answer is parsed (a gold parser registered by name), the task
 type (math | qa; `mixed` = per-row `kind`, our generated set), the default cap (math 500, QA 200, HLE 500 as in
-the Tool-Star README; smaller files are read whole), the prompt template and the default search backend.
-A hub dataset id is the documented fallback when the local file is absent; offline it fails with a message
-naming both the file to put in place and the hub id.
+the Tool-Star README, SimpleQA 500 as ARPO's `COUNTS=500`; smaller files are read whole), the headline metric
+the papers report for it, its own system prompt where the reference used one (xbench: Chinese) and the search
+backend the reference used. A hub dataset id is the documented fallback when the local file is absent; offline it
+fails with a message naming every file tried and the hub id.
 
 Every loaded benchmark carries a content hash over exactly the items that were loaded (after the cap), so
 each result row can name the data it was computed on.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.core.errors import BadInputError, MissingInputError
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.registry import Registry
@@ -28,6 +30,9 @@ from stages.core.registry import Registry
 log = get_logger(__name__)
 
 TASK_TYPES = ("math", "qa")
+# The per-sample metric the papers report per benchmark (research/arpo.md 8.3, ARPO issue #60): F1 for the
+# knowledge-QA sets of Table 1, the judge's llm_equal for math, WebWalker and the deep-search sets (Table 2).
+HEADLINES = ("llm_equal", "f1")
 
 GOLD_PARSERS: Registry[Callable[[Any], tuple[str, ...]]] = Registry("gold-answer parser")
 
@@ -64,7 +69,8 @@ class BenchmarkSpec:
     answer_field: str = "answer"
     id_field: str | None = None
     gold: str = "list"  # GOLD_PARSERS name
-    prompt_template: str = "tir_search_python"
+    headline: str = "llm_equal"  # HEADLINES: the metric the papers report (f1 for the knowledge-QA sets)
+    prompt_template: str | None = None  # the reference's own system prompt for it (xbench: Chinese), else the run's
     search_backend: str = "web"  # agent.search.backend the reference used for it
     meta_fields: tuple[str, ...] = ()
     language: str = "en"
@@ -122,13 +128,16 @@ _SPECS = [
                   hub=HubSource("openai/gsm8k", "test", "question", "answer", config="main")),
     BenchmarkSpec("math", "math", "math", ("math/test.jsonl",), "problem", 500, gold="plain",
                   meta_fields=("level", "type", "subject")),
-    BenchmarkSpec("hotpotqa", "qa", "knowledge", ("hotpotqa/test.jsonl",), "question", 200, search_backend="server",
+    BenchmarkSpec("hotpotqa", "qa", "knowledge", ("hotpotqa/test.jsonl",), "question", 200, headline="f1",
+                  search_backend="server",
                   hub=_flashrag("hotpotqa")),
-    BenchmarkSpec("2wiki", "qa", "knowledge", ("2wiki/test.jsonl",), "question", 200, search_backend="server",
+    BenchmarkSpec("2wiki", "qa", "knowledge", ("2wiki/test.jsonl",), "question", 200, headline="f1",
+                  search_backend="server",
                   hub=_flashrag("2wikimultihopqa")),
-    BenchmarkSpec("musique", "qa", "knowledge", ("musique/test.jsonl",), "question", 200, search_backend="server",
+    BenchmarkSpec("musique", "qa", "knowledge", ("musique/test.jsonl",), "question", 200, headline="f1",
+                  search_backend="server",
                   hub=_flashrag("musique")),
-    BenchmarkSpec("bamboogle", "qa", "knowledge", ("bamboogle/test.jsonl",), "question", 200,
+    BenchmarkSpec("bamboogle", "qa", "knowledge", ("bamboogle/test.jsonl",), "question", 200, headline="f1",
                   search_backend="server", hub=_flashrag("bamboogle")),
     BenchmarkSpec("webwalker", "qa", "knowledge", ("webwalker/test.jsonl",), "question", 200, gold="plain",
                   language="zh+en"),
@@ -140,9 +149,10 @@ _SPECS = [
                   gold="plain", meta_fields=("answer_type", "category", "raw_subject"),
                   skip_if=(("has_image", True),),
                   hub=HubSource("cais/hle", "test", "question", "answer", id_field="id")),
-    BenchmarkSpec("simpleqa", "qa", "deepsearch", ("SimpleQA/test.jsonl", "simpleqa/test.jsonl"), "question", 200,
+    BenchmarkSpec("simpleqa", "qa", "deepsearch", ("SimpleQA/test.jsonl", "simpleqa/test.jsonl"), "question", 500,
                   hub=HubSource("basicv8vc/SimpleQA", "test", "problem", "answer")),
-    BenchmarkSpec("xbench", "qa", "deepsearch", ("xbench/test.jsonl",), "question", 200, language="zh"),
+    BenchmarkSpec("xbench", "qa", "deepsearch", ("xbench/test.jsonl",), "question", 200, language="zh",
+                  prompt_template="tir_search_python_zh"),
     BenchmarkSpec("synthetic", "mixed", "generated", (), "question", 200, id_field="id", gold="plain",
                   search_backend="local", meta_fields=("kind",)),
 ]
@@ -162,10 +172,48 @@ def get_spec(name: str) -> BenchmarkSpec:
     if name not in BENCHMARKS:
         import difflib
 
+        from stages.core.registry import UnknownNameError
+
         close = difflib.get_close_matches(name, BENCHMARKS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown benchmark {name!r}.{hint} Known: {sorted(BENCHMARKS)}")
+        raise UnknownNameError(f"unknown benchmark {name!r}.{hint} Known: {sorted(BENCHMARKS)}")
     return BENCHMARKS[name]
+
+
+def headline_metric(name: str) -> str:
+    """The metric the papers report for benchmark `name` (llm_equal for names we do not know)."""
+    return BENCHMARKS[name].headline if name in BENCHMARKS else "llm_equal"
+
+
+def prompt_template_for(spec: BenchmarkSpec, run_template: str, use_own: bool = True) -> str:
+    """The system prompt a benchmark runs with: its own where the reference used one (xbench goes through the
+    reference's Chinese inference script with the Chinese `code_search_cn` prompt) when it offers the same tools
+    as the run's `agent.prompt_template`, else the run's."""
+    from stages.agent.prompts import template_tools
+
+    own = spec.prompt_template
+    if not use_own or own is None or own == run_template:
+        return run_template
+    if template_tools(own) != template_tools(run_template):
+        log.warning("%s: its own prompt %r offers tools %s, the run's %r offers %s; using the run's", spec.name,
+                    own, template_tools(own), run_template, template_tools(run_template))
+        return run_template
+    return own
+
+
+def check_benchmarks(names: list[str], data_root: str | Path) -> None:
+    """Fail before any work when a benchmark is unknown or its file is missing (and no hub copy can stand in),
+    naming every file tried. `synthetic` comes from the data stage and is not checked here."""
+    missing = []
+    for name in names:
+        spec = get_spec(name)
+        if spec.name == "synthetic" or _existing_file(spec, Path(data_root)) is not None:
+            continue
+        if spec.hub is not None and not _offline():
+            continue
+        missing.append(_missing_message(spec, Path(data_root)))
+    if missing:
+        raise MissingInputError("\n".join(missing))
 
 
 def load_benchmark(name: str, data_root: str | Path, cap: int | None = None,
@@ -195,21 +243,21 @@ def _to_item(spec: BenchmarkSpec, row: dict[str, Any], index: int, source: str) 
     where = f"{source} row {index + 1}"
     question = row.get(spec.question_field)
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"{where}: field {spec.question_field!r} (the {spec.name} question) is missing or empty; "
+        raise BadInputError(f"{where}: field {spec.question_field!r} (the {spec.name} question) is missing or empty; "
                          f"row has fields {sorted(row)}")
     if spec.answer_field not in row or row[spec.answer_field] is None:
-        raise ValueError(f"{where}: field {spec.answer_field!r} (the gold answer) is missing; row has {sorted(row)}")
+        raise BadInputError(f"{where}: field {spec.answer_field!r} (the gold answer) is missing; row has {sorted(row)}")
     try:
         golds = GOLD_PARSERS.get(spec.gold)(row[spec.answer_field])
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from err
+        raise BadInputError(f"{where}: {err}") from err
     if not golds:
-        raise ValueError(f"{where}: gold answer {row[spec.answer_field]!r} is empty after parsing; fix the row")
+        raise BadInputError(f"{where}: gold answer {row[spec.answer_field]!r} is empty after parsing; fix the row")
     task_type = spec.task_type
     if task_type == "mixed":
         task_type = str(row.get("kind", ""))
         if task_type not in TASK_TYPES:
-            raise ValueError(f"{where}: field 'kind' must be one of {TASK_TYPES}, got {row.get('kind')!r}")
+            raise BadInputError(f"{where}: field 'kind' must be one of {TASK_TYPES}, got {row.get('kind')!r}")
     raw_id = row.get(spec.id_field) if spec.id_field else None
     item_id = str(raw_id) if raw_id not in (None, "") else f"{spec.name}-{index}"
     meta = {key: row[key] for key in spec.meta_fields if key in row}
@@ -221,26 +269,37 @@ def _read_rows(spec: BenchmarkSpec, data_root: Path, synthetic_path: str | Path 
                ) -> tuple[list[dict[str, Any]], str]:
     if spec.name == "synthetic":
         if synthetic_path is None:
-            raise FileNotFoundError("benchmark 'synthetic' is the data stage's generated set: pass its file, "
+            raise MissingInputError("benchmark 'synthetic' is the data stage's generated set: pass its file, "
                                     "load_benchmark('synthetic', data_root, synthetic_path=dataset.file('eval_test'))")
         return _read_json_lines(Path(synthetic_path)), str(synthetic_path)
-    for rel in spec.files:
-        path = data_root / rel
-        if path.is_file():
-            return _read_json_lines(path), str(path)
-    expected = data_root / spec.files[0]
-    if spec.hub is not None and os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("1", "true", "True"):
-        return _read_hub(spec, expected)
+    path = _existing_file(spec, data_root)
+    if path is not None:
+        return _read_json_lines(path), str(path)
+    if spec.hub is not None and not _offline():
+        return _read_hub(spec, data_root / spec.files[0])
+    raise MissingInputError(_missing_message(spec, data_root))
+
+
+def _existing_file(spec: BenchmarkSpec, data_root: Path) -> Path | None:
+    return next((data_root / rel for rel in spec.files if (data_root / rel).is_file()), None)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_DATASETS_OFFLINE", "0") in ("1", "true", "True")
+
+
+def _missing_message(spec: BenchmarkSpec, data_root: Path) -> str:
+    tried = ", ".join(str(data_root / rel) for rel in spec.files)
     hub = (f" or go online (unset HF_DATASETS_OFFLINE) to use the hub copy {spec.hub.dataset!r}"
            if spec.hub else "")
-    raise FileNotFoundError(f"benchmark {spec.name!r}: no file at {expected} (eval.data_root={data_root}). "
-                            f"Put its JSONL there with fields {spec.question_field!r} and {spec.answer_field!r}{hub}.")
+    return (f"benchmark {spec.name!r}: no file at any of [{tried}] (eval.data_root={data_root}). Put its JSONL "
+            f"at {data_root / spec.files[0]} with fields {spec.question_field!r} and {spec.answer_field!r}{hub}.")
 
 
 def _read_json_lines(path: Path) -> list[dict[str, Any]]:
     """JSON lines (also under a .json name, as HLE's top.json), or one JSON array; bad lines name file and line."""
     if not path.is_file():
-        raise FileNotFoundError(f"benchmark file {path} does not exist")
+        raise MissingInputError(f"benchmark file {path} does not exist")
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
         rows = json.loads(text)
@@ -252,10 +311,10 @@ def _read_json_lines(path: Path) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
+                raise BadInputError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
-            raise ValueError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")
+            raise BadInputError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")
     return rows
 
 

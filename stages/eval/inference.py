@@ -33,7 +33,7 @@ PARTIAL = "predictions.partial.jsonl"
 CODE = ("stages.eval.inference", "stages.eval.agent_loop", "stages.eval.benchmarks", "stages.agent")
 GENERATION_KEYS = {"data_root", "max_questions", "samples", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "max_tokens", "max_total_tokens", "sample_timeout_s", "max_python",
-                   "max_search"}
+                   "max_search", "benchmark_prompts"}
 
 
 class InferenceIncomplete(RuntimeError):
@@ -58,11 +58,22 @@ def corpus_path(agent: AgentSection, data: DatasetRef) -> str | None:
     return agent.search.corpus_path or data.files.get("corpus")
 
 
+def benchmark_template(cfg: EvalSection, agent: AgentSection, benchmark: str) -> str:
+    """The system prompt template this benchmark runs with (its own, e.g. xbench's Chinese one, or the run's)."""
+    from stages.eval.benchmarks import get_spec, prompt_template_for
+
+    return prompt_template_for(get_spec(benchmark), agent.prompt_template, cfg.benchmark_prompts)
+
+
 def inference_key(cfg: EvalSection, agent: AgentSection, benchmark: str, content_hash: str, model: ModelRef,
                   endpoint: EndpointRef, data: DatasetRef) -> str:
+    from stages.agent.prompts import system_prompt
+
     corpus = agent.search.corpus_path or (data.fingerprint if "corpus" in data.files else None)
+    template = benchmark_template(cfg, agent, benchmark)
     return hash_value(cfg.model_dump(include=GENERATION_KEYS), eval_agent(cfg, agent), benchmark, content_hash,
-                      model.fingerprint, corpus, sampling_extras(cfg, endpoint), code_version(*CODE))
+                      model.fingerprint, corpus, sampling_extras(cfg, endpoint), template, system_prompt(template),
+                      code_version(*CODE))
 
 
 def sample_seed(benchmark: str, item_id: str, sample: int) -> int:
@@ -142,10 +153,11 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
         client = async_client(endpoint, timeout_s=max(60.0, cfg.sample_timeout_s))
         settings = loop_settings(cfg, endpoint)
         gate = asyncio.Semaphore(cfg.concurrency)
+        template = benchmark_template(cfg, agent, name)
 
         async def one(item: Any, sample: int) -> dict[str, Any] | None:
             async with gate:
-                prompt = tokenizer.apply_chat_template(build_messages(item.question, agent.prompt_template),
+                prompt = tokenizer.apply_chat_template(build_messages(item.question, template),
                                                        tokenize=False, add_generation_prompt=True)
                 return await infer_sample(client, settings, cfg.sample_timeout_s, prompt, box, item, sample,
                                           name, loaded.content_hash, failures)

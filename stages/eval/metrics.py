@@ -4,12 +4,15 @@
   normalised gold occurs inside the normalised prediction, the reference's `acc`).
 - Math: `math_equal` with math-verify, run in a **process pool**: math-verify enforces its timeouts with
   `signal.alarm`, which only works in a main thread, and a pool worker runs each task in its main thread.
-- `effective_prediction`: the reference scores the last 5 lines of the output when no answer was extracted.
+- `effective_prediction`: the reference scores the last 5 lines of the output when no answer was extracted; an
+  extracted answer has its `\\text{...}` unwrapped first (the reference's extraction does that for a boxed
+  `\\text{}`), so `\\boxed{\\text{Frank Lowy}}` scores as `Frank Lowy`.
 - `tool_productivity`: the reference's figure final_acc * calls / (calls + 0.1) * 100.
 
-Which per-sample value is "accuracy" (the paper's number) is decided in `sample_score`:
-math -> llm_equal with a judge, else math_equal; qa -> llm_equal with a judge, else F1. The binary `correct`
-used by pass@k is llm_equal with a judge, else math_equal (math) / EM (qa).
+Which per-sample value is "accuracy" is the benchmark's headline metric, as the papers report it
+(`BenchmarkSpec.headline`, decided in `sample_score`): `f1` for the knowledge-QA sets; `llm_equal` (the judge)
+for the others, which without a judge falls back to math_equal (math) / F1 (qa). The binary `correct` used by
+pass@k is llm_equal with a judge, else math_equal (math) / EM (qa).
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from stages.agent.scoring import exact_match, f1_score, math_equivalent, normalize_answer
+from stages.agent.scoring import (
+    exact_match,
+    f1_score,
+    math_equivalent,
+    normalize_answer,
+    unwrap_text,
+)
 from stages.core.log import get_logger, progress
 
 log = get_logger(__name__)
@@ -35,30 +44,30 @@ def cover_match(prediction: str | None, golds: Sequence[str]) -> float:
 
 
 def effective_prediction(prediction: str | None, output: str | None) -> tuple[str, bool]:
-    """(text to score, used_fallback). An empty prediction falls back to the output's last 5 non-empty lines."""
+    """(text to score, used_fallback). `\\text{...}` in a prediction is unwrapped; an empty prediction falls back to
+    the output's last 5 non-empty lines."""
     if prediction is not None and prediction.strip():
-        return prediction.strip(), False
+        return unwrap_text(prediction).strip(), False
     lines = [line for line in (output or "").splitlines() if line.strip()]
     return "\n".join(lines[-FALLBACK_LINES:]), True
 
 
 def qa_metrics(prediction: str, golds: Sequence[str]) -> dict[str, float]:
+    """EM, F1 and cover match, max over the golds (a gold's `\\text{...}` unwrapped too, e.g. MATH's `\\text{Evelyn}`)."""
     if not prediction:
         return {"em": 0.0, "f1": 0.0, "acc": 0.0}
-    golds = list(golds)
+    golds = [unwrap_text(g) for g in golds]
     return {"em": exact_match(prediction, golds), "f1": f1_score(prediction, golds),
             "acc": cover_match(prediction, golds)}
 
 
-def sample_score(task_type: str, metrics: dict[str, float], judged: bool) -> tuple[float, float]:
+def sample_score(task_type: str, metrics: dict[str, float], judged: bool,
+                 headline: str = "llm_equal") -> tuple[float, float]:
     """(accuracy score in [0, 1], binary correct) for one sample, per the documented rule."""
-    if judged:
-        value = float(metrics["llm_equal"])
-        return value, value
-    if task_type == "math":
-        value = float(metrics["math_equal"])
-        return value, value
-    return float(metrics["f1"]), float(metrics["em"])
+    rule = "math_equal" if task_type == "math" else "f1"
+    correct = "llm_equal" if judged else ("math_equal" if task_type == "math" else "em")
+    score = "f1" if headline == "f1" else ("llm_equal" if judged else rule)
+    return float(metrics[score]), float(metrics[correct])
 
 
 def tool_productivity(final_acc: float, mean_tool_calls: float) -> float:

@@ -1,8 +1,13 @@
 """The report stage: one row per scored benchmark (pandas), written as CSV + markdown, with the reference's
 published numbers beside ours (stages/eval/reference_numbers.yaml, sources per entry).
 
-All rates are percentages. `accuracy` is the paper's figure (llm_equal with a judge; else math_equal for math,
-F1 for QA); pass@k columns use the unbiased estimator; `[lo, hi]` are seeded bootstrap intervals over questions.
+All rates are percentages. `accuracy` is each benchmark's headline metric as the papers report it (`metric`
+column: F1 for the knowledge-QA sets, llm_equal for the others; without a judge llm_equal falls back to
+math_equal / F1 and the column says so); pass@k columns count a binary verdict (`pass@k verdict`: llm_equal
+with a judge, else math_equal / EM) with the unbiased estimator; `[lo, hi]` are seeded bootstrap intervals over
+questions. A published number goes into `paper accuracy` / `paper pass@k` only when it measures the same thing
+as our column beside it; otherwise it is listed under `paper (other metric)`. The judge's own figure
+(`llm_equal`) and its agreement with the rules sit next to the headline.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from stages.core.workspace import stage_dir
 
 STAGE = "eval-report"
 REFERENCE_FILE = Path(__file__).with_name("reference_numbers.yaml")
-_HEADLINE = ("benchmark", "questions", "samples", "metric", "accuracy", "accuracy ci", "em", "f1", "llm_equal",
-             "judge_rule_agreement", "tool_calls", "tool_productivity")
+_HEADLINE = ("benchmark", "questions", "samples", "metric", "accuracy", "accuracy ci", "paper accuracy",
+             "pass@k verdict", "llm_equal", "judge_rule_agreement", "em", "f1", "paper (other metric)", "published",
+             "tool_calls", "tool_productivity")
 _RATES = ("em", "f1", "acc", "math_equal", "llm_equal", "tool_use_rate", "judge_rule_agreement")
 
 
@@ -32,25 +38,28 @@ def load_reference_numbers(path: str | Path = REFERENCE_FILE) -> pd.DataFrame:
     settings = data.get("settings") or {}
     rows = []
     for number, entry in enumerate(data.get("numbers") or [], start=1):
-        missing = [k for k in ("setting", "benchmark", "metric", "value", "source") if k not in entry]
+        missing = [k for k in ("setting", "benchmark", "metric", "measure", "value", "source") if k not in entry]
         if missing:
             raise ValueError(f"{path} numbers[{number}]: missing {missing}")
         if entry["setting"] not in settings:
             raise ValueError(f"{path} numbers[{number}]: setting {entry['setting']!r} is not declared under "
                              f"`settings:` (known: {sorted(settings)})")
         rows.append({**entry, **settings[entry["setting"]]})
-    return pd.DataFrame(rows, columns=["setting", "model", "method", "benchmark", "metric", "value", "source"])
+    return pd.DataFrame(rows, columns=["setting", "model", "method", "benchmark", "metric", "measure", "value",
+                                       "source"])
 
 
 def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame,
                 reference_setting: str | None) -> list[dict[str, Any]]:
-    """One flat row per benchmark summary (see scoring.summarize_benchmark), rates in percent."""
+    """One flat row per benchmark summary (see scoring.summarize_benchmark), rates in percent, published numbers
+    beside the column that measures the same thing."""
     if reference_setting is not None and reference_setting not in set(reference["setting"]):
         raise ValueError(f"eval.reference_setting={reference_setting!r} has no published numbers; choose one of "
                          f"{sorted(set(reference['setting']))} or null")
     ks = sorted({int(name.split("@")[1]) for s in summaries for name in s["metrics"] if name.startswith("pass@")})
     rows = []
     for summary in summaries:
+        same, other = _published(reference, summary, reference_setting)
         row: dict[str, Any] = {"benchmark": summary["benchmark"], "task_type": summary["task_type"],
                                "model": summary["model"], "questions": summary["questions"],
                                "samples": summary["samples_per_question"], "metric": summary["accuracy_metric"]}
@@ -58,36 +67,56 @@ def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame,
             value = summary["metrics"].get(name)
             row[name] = None if value is None else 100 * value["value"]
             row[f"{name} ci"] = None if value is None else f"[{100 * value['ci_low']:.1f}, {100 * value['ci_high']:.1f}]"
+            if reference_setting is not None:
+                paper = "paper accuracy" if name == "accuracy" else f"paper {name}"
+                row[paper] = same.pop(paper, None)
+        row |= same  # published pass@k of a k we did not sample
+        row["pass@k verdict"] = summary.get("correct_metric")
         for key in _RATES:
             value = summary.get(key)
             row[key] = None if value is None else 100 * value
+        row |= other
         for key in ("tool_calls", "python_calls", "search_calls", "tool_productivity", "num_valid_answer",
                     "timed_out", "errors"):
             row[key] = summary.get(key)
-        row |= _published(reference, summary["benchmark"], reference_setting)
         row["benchmark_hash"] = summary["benchmark_hash"]
         rows.append(row)
     return rows
 
 
-def _published(reference: pd.DataFrame, benchmark: str, setting: str | None) -> dict[str, Any]:
-    entries = reference[reference["benchmark"] == benchmark]
-    if setting is not None:
-        entries = entries[entries["setting"] == setting]
-        return {f"paper {metric}": float(value)
-                for metric, value in sorted(zip(entries["metric"], entries["value"]), key=lambda e: e[0])}
-    text = "; ".join(f"{r.method} {r.model} {r.metric} {r.value:g}" for r in entries.itertuples())
-    return {"published": text or None}
+def _published(reference: pd.DataFrame, summary: dict[str, Any], setting: str | None
+               ) -> tuple[dict[str, float], dict[str, Any]]:
+    """({"paper accuracy" | "paper pass@k": value} for entries measuring what our column measures,
+    {"paper (other metric)" | "published": text} for the rest). A pass@1 entry compares with our accuracy (both
+    are means over samples of the per-sample measure), a pass@k entry (k > 1) with our pass@k verdicts."""
+    entries = reference[reference["benchmark"] == summary["benchmark"]]
+    if setting is None:
+        text = "; ".join(f"{r.method} {r.model} {r.metric} {r.measure} {r.value:g}" for r in entries.itertuples())
+        return {}, {"published": text or None}
+    ours = {"pass@1": summary["accuracy_metric"]}
+    same: dict[str, float] = {}
+    other = []
+    for r in entries[entries["setting"] == setting].sort_values("metric").itertuples():
+        mine = ours.get(r.metric, summary.get("correct_metric"))
+        if r.measure == mine:
+            same["paper accuracy" if r.metric == "pass@1" else f"paper {r.metric}"] = float(r.value)
+        else:
+            other.append(f"{r.metric} {r.measure} {r.value:g} (ours: {mine})")
+    return same, {"paper (other metric)": "; ".join(other) or None}
 
 
 def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: float) -> str:
     """The headline columns (the CSV has every column); published numbers in a second table with sources."""
-    keep = [c for c in table.columns if c in _HEADLINE or c.startswith(("pass@", "paper ")) or c == "published"]
+    keep = [c for c in table.columns if c in _HEADLINE or c.startswith(("pass@", "paper "))]
     shown = table[keep].round(2).astype(object).where(table[keep].notna(), None)  # missing -> "-"
     benchmarks = set(table["benchmark"])
     cited = reference[reference["benchmark"].isin(benchmarks)]
-    legend = (f"Rates in percent; `accuracy` = llm_equal with a judge, else math_equal (math) / F1 (QA); pass@k by "
-              f"the unbiased estimator; intervals are {confidence:.0%} bootstrap intervals over questions.")
+    legend = (f"Rates in percent. `accuracy` = each benchmark's headline metric as the papers report it (`metric`: "
+              f"F1 for HotpotQA, 2Wiki, MuSiQue, Bamboogle; llm_equal, the judge, for the others; without a judge "
+              f"math_equal / F1 stand in and the column says so). pass@k counts the `pass@k verdict` with the "
+              f"unbiased estimator. `paper ...` columns hold published numbers of the same metric only; others are "
+              f"under `paper (other metric)`. `llm_equal` is the judge beside the headline. Intervals are "
+              f"{confidence:.0%} bootstrap intervals over questions.")
     lines = ["# Evaluation report", "", legend, "", shown.to_markdown(index=False, missingval="-"), ""]
     if not cited.empty:
         lines += ["## Published numbers (reference work)", "", cited.to_markdown(index=False), ""]

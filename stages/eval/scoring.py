@@ -22,9 +22,15 @@ from stages.core.fingerprint import code_version, hash_value
 from stages.core.log import get_logger
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import stage_dir
+from stages.eval.benchmarks import headline_metric
 from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict, judge_identity
-from stages.eval.metrics import (MathVerifier, effective_prediction, qa_metrics, sample_score,
-                                 tool_productivity)
+from stages.eval.metrics import (
+    MathVerifier,
+    effective_prediction,
+    qa_metrics,
+    sample_score,
+    tool_productivity,
+)
 from stages.eval.passk import summarize
 
 log = get_logger(__name__)
@@ -57,8 +63,9 @@ def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRe
     out = stage_dir(output_root, STAGE, scoring_key(cfg, preds, judge), force=force)
     if not out.complete:
         rows = load_predictions(predictions_file(preds))
-        samples = score_samples(cfg, rows, judge if judged else None, Path(cache_root))
-        summary = summarize_benchmark(cfg, samples, judged)
+        samples = score_samples(cfg, rows, judge if judged else None, Path(cache_root),
+                                headline_metric(preds.benchmark))
+        summary = summarize_benchmark(cfg, samples, judged, headline_metric(preds.benchmark))
         summary |= {"judge": judge_identity(judge) if judged else None, "predictions": str(predictions_file(preds))}
         write_jsonl(out.path / "samples.jsonl", samples)
         write_json(out.path / "summary.json", summary)
@@ -97,8 +104,9 @@ def load_predictions(path: Path) -> list[dict[str, Any]]:
 
 
 def score_samples(cfg: EvalSection, rows: list[dict[str, Any]], judge: EndpointRef | None,
-                  cache_root: Path) -> list[dict[str, Any]]:
-    """One scored row per prediction row: rule metrics, math_equal, judge verdict, score/correct, tool calls."""
+                  cache_root: Path, headline: str = "llm_equal") -> list[dict[str, Any]]:
+    """One scored row per prediction row: rule metrics, math_equal, judge verdict, score (the benchmark's
+    `headline` metric) / correct, tool calls."""
     scored = []
     for row in rows:
         text, fallback = effective_prediction(row.get("prediction"), row.get("output"))
@@ -126,7 +134,7 @@ def score_samples(cfg: EvalSection, rows: list[dict[str, Any]], judge: EndpointR
     if judge is not None:
         _apply_judge(cfg, rows, scored, judge, cache_root)
     for sample in scored:
-        sample["score"], sample["correct"] = sample_score(sample["task_type"], sample, judge is not None)
+        sample["score"], sample["correct"] = sample_score(sample["task_type"], sample, judge is not None, headline)
     return scored
 
 
@@ -152,7 +160,8 @@ def _apply_judge(cfg: EvalSection, rows: list[dict[str, Any]], scored: list[dict
                    "llm_equal": float(bool(sample["rule_equiv"]) or bool(says))}
 
 
-def summarize_benchmark(cfg: EvalSection, samples: list[dict[str, Any]], judged: bool) -> dict[str, Any]:
+def summarize_benchmark(cfg: EvalSection, samples: list[dict[str, Any]], judged: bool,
+                        headline: str = "llm_equal") -> dict[str, Any]:
     by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for sample in samples:
         by_id[sample["id"]].append(sample)
@@ -172,8 +181,9 @@ def summarize_benchmark(cfg: EvalSection, samples: list[dict[str, Any]], judged:
                         confidence=cfg.confidence, seed=cfg.bootstrap_seed)
     return {"benchmark": samples[0]["benchmark"], "model": samples[0]["model"],
             "benchmark_hash": samples[0]["benchmark_hash"], "task_type": _task_type(samples),
-            "questions": len(groups), "samples_per_question": n, "judged": judged,
-            "accuracy_metric": _accuracy_metric(samples, judged), "metrics": metrics,
+            "questions": len(groups), "samples_per_question": n, "judged": judged, "headline": headline,
+            "accuracy_metric": _accuracy_metric(samples, judged, headline),
+            "correct_metric": _correct_metric(samples, judged), "metrics": metrics,
             "confidence": cfg.confidence, **_means(samples, judged, metrics["accuracy"]["value"])}
 
 
@@ -205,8 +215,17 @@ def _task_type(samples: list[dict[str, Any]]) -> str:
     return kinds[0] if len(kinds) == 1 else "mixed"
 
 
-def _accuracy_metric(samples: list[dict[str, Any]], judged: bool) -> str:
+def _accuracy_metric(samples: list[dict[str, Any]], judged: bool, headline: str) -> str:
+    """What `accuracy` measured: the headline, or (llm_equal without a judge) the rule it fell back to."""
+    if headline == "f1" or judged:
+        return headline
+    kinds = {s["task_type"] for s in samples}
+    return {frozenset({"math"}): "math_equal", frozenset({"qa"}): "f1"}.get(frozenset(kinds), "math_equal|f1")
+
+
+def _correct_metric(samples: list[dict[str, Any]], judged: bool) -> str:
+    """The binary verdict pass@k counts."""
     if judged:
         return "llm_equal"
     kinds = {s["task_type"] for s in samples}
-    return {frozenset({"math"}): "math_equal", frozenset({"qa"}): "f1"}.get(frozenset(kinds), "math_equal|f1")
+    return {frozenset({"math"}): "math_equal", frozenset({"qa"}): "em"}.get(frozenset(kinds), "math_equal|em")

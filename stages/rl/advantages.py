@@ -31,23 +31,31 @@ ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def group_normalized(rewards_B: torch.Tensor, group_B: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased as torch.std.
+    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased as torch.std; float32 result.
+
+    The statistics are computed in float64 on rewards shifted by their group's minimum (the shifted-data
+    algorithm): a group whose rewards are all equal has deviations of exactly 0, hence mean = its reward and
+    std = 0 exactly, and A = 0 exactly for any group size. (Unshifted float32 statistics leave the mean one ulp
+    off for e.g. 16 x 1.1 or 12 x 0.1, and (R - mean)/(tiny std + eps) then turns rounding noise into
+    advantages of about +-0.1.)
 
     A group of one trajectory gets A = 0: its mean is its own reward, so R - mean = 0, and the undefined
     unbiased std of one sample (torch.std gives NaN) is taken as 0. (verl instead uses mean 0, std 1 there,
     which turns a lone reward into an advantage; we give no signal without a comparison.)
     """
-    rewards_B = rewards_B.to(torch.float32)
+    rewards_B = rewards_B.detach().to(torch.float64)
     _, inverse_B, counts_G = torch.unique(group_B, return_inverse=True, return_counts=True)
     n_groups = counts_G.numel()
-    counts_G = counts_G.to(torch.float32)
-    sum_G = torch.zeros(n_groups).index_add_(0, inverse_B, rewards_B)
-    mean_G = sum_G / counts_G
-    centered_B = rewards_B - mean_G[inverse_B]
-    sq_G = torch.zeros(n_groups).index_add_(0, inverse_B, centered_B ** 2)
+    counts_G = counts_G.to(torch.float64)
+    zeros_G = torch.zeros(n_groups, dtype=torch.float64, device=rewards_B.device)
+    shift_G = zeros_G.clone().scatter_reduce_(0, inverse_B, rewards_B, reduce="amin", include_self=False)
+    shifted_B = rewards_B - shift_G[inverse_B]  # x - x == 0 exactly: all-equal groups have zero deviations
+    mean_G = zeros_G.clone().index_add_(0, inverse_B, shifted_B) / counts_G
+    centered_B = shifted_B - mean_G[inverse_B]
+    sq_G = zeros_G.clone().index_add_(0, inverse_B, centered_B ** 2)
     var_G = torch.where(counts_G > 1, sq_G / (counts_G - 1).clamp(min=1), torch.zeros_like(sq_G))
     std_G = var_G.sqrt()
-    return centered_B / (std_G[inverse_B] + eps)
+    return (centered_B / (std_G[inverse_B] + eps)).to(torch.float32)
 
 
 def owner_matrix(parent_B: Sequence[int | None], fork_at_B: Sequence[int], length: int) -> torch.Tensor:

@@ -33,13 +33,13 @@ def rollout_metrics(batch: RolloutBatch, rewards: list[Reward]) -> dict[str, flo
     scores = torch.tensor([r.score for r in rewards], dtype=torch.float64)
     calls = [sum(t.tool_calls.values()) for t in trajs]
     finish = Counter(t.finish_reason or "unknown" for t in trajs)
-    group_std = [torch.tensor([rewards[i].score for i in idx], dtype=torch.float64).std().item()
-                 if len(idx) > 1 else 0.0 for idx in _group_rows(batch)]
+    # exact equality, not std == 0: a float std of 12 x 0.1 is 1e-17, not 0 (the advantages are exactly 0 there)
+    flat = [float(max(r) == min(r)) for r in ([rewards[i].score for i in idx] for idx in _group_rows(batch)) if r]
     row = {
         "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(trajs) > 1 else 0.0,
         "reward/min": float(scores.min()), "reward/max": float(scores.max()),
         "reward/format_error_rate": _mean([float(r.score == -1.0 and r.answer is None) for r in rewards]),
-        "reward/groups_without_signal": _mean([float(s == 0.0) for s in group_std]),
+        "reward/groups_without_signal": _mean(flat),
         "accuracy": _mean([float(r.correct) for r in rewards]),
         "f1": _mean([r.f1 for r in rewards]),
         "tools/calls_per_traj": _mean(calls),

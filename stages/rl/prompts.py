@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from stages.core.errors import BadInputError
 from stages.core.log import get_logger
 from stages.data import RLRow
 
@@ -21,7 +22,7 @@ class PromptItem:
     ability: str
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(BadInputError):
     pass
 
 

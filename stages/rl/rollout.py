@@ -14,8 +14,8 @@ ends with `length`). Model tokens are kept exactly as sampled (stop tags include
 Branching (strategy + entropy window, see strategies.py / entropy.py): candidates of a group are scanned in
 creation order, each may make `beam_size - 1` copies while the group has budget (n minus trajectories created);
 a copy shares the parent's response up to `fork_at`, its tool counters and a copy of its tool CallState, and
-starts from the parent's KV cache. When a group has no active trajectory and budget left, fresh roots fill it
-(`fresh_fill`). Every group ends with exactly n trajectories. All randomness comes from one numpy generator
+starts from the parent's KV cache (its entropy baseline: entropy.py). When a group has no active trajectory and
+budget left, fresh roots fill it (`fresh_fill`). Every group ends with exactly n trajectories. All randomness comes from one numpy generator
 seeded by (seed, rollout call index).
 """
 
@@ -65,7 +65,7 @@ class RolloutEngine:
         self.backend, self.toolbox, self.tokenizer, self.cfg = backend, toolbox, tokenizer, cfg
         self.seed, self.show_progress = seed, show_progress
         self.strategy = get_strategy(cfg)
-        self.window = EntropyWindow(cfg.entropy_window, cfg.entropy_tokens)
+        self.window = EntropyWindow(cfg.entropy_window, cfg.entropy_tokens, cfg.entropy_aggregation)
         self.sampling = SamplingSpec(cfg.temperature, cfg.top_p, cfg.top_k, tuple(stop))
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token; set model.eos_token so forced stops can append EOS")
@@ -230,7 +230,8 @@ class RolloutEngine:
                 parent = by_id[parent_id]
                 fork_at = parent.seg_start if at_segment_start else len(parent.traj)
                 child_id = self._take_id()
-                child = parent.fork(child_id, child_id, fork_at, parent.state.copy())
+                baseline = parent.h_initial if self.window.copies_inherit_baseline else None
+                child = parent.fork(child_id, child_id, fork_at, parent.state.copy(), h_initial=baseline)
                 self.backend.fork(parent.key, child.key, len(parent.traj.prompt_ids) + fork_at)
                 g.members.append(child)
                 g.branches += 1
@@ -251,7 +252,8 @@ class RolloutEngine:
 
     def _probe(self, groups: list[GroupState], rng: np.random.Generator) -> None:
         """AEPO entropy pre-monitoring: H_root from a short probe generation, H_tool from one tool-using probe
-        rollout per prompt (mean entropy of its post-result segments; H_root when it made no call)."""
+        rollout per prompt (mean entropy of its segments: all of them in the reference window, the post-result
+        ones in the paper window; H_root when there is none)."""
         probes = [GroupState(g.item, 1, 1) for g in groups]
         roots = [self._new_root(p, "root", key_prefix="probe") for p in probes]
         spec = SamplingSpec(self.cfg.temperature, self.cfg.top_p, self.cfg.top_k, ())
@@ -264,8 +266,8 @@ class RolloutEngine:
         self._run(probes, rng, branching=False, fill=False, label="probe", main=False)
         for g, res, m in zip(groups, results, roots):
             g.h_root = self.window.segment_entropy(res.entropies)
-            post = [h for _, _, after, h in m.segments if after]
-            g.h_tool = sum(post) / len(post) if post else g.h_root
+            h_tool = self.window.tool_entropy(m.segments)
+            g.h_tool = g.h_root if h_tool is None else h_tool
             g.initial = self.strategy.initial_rollouts(g.h_root, g.h_tool)
         self.backend.release([r.key for r in requests] + [m.key for m in roots])
         self._next_id = 0

@@ -19,7 +19,7 @@ class LiveTrajectory:
     key: Hashable                   # backend cache key
     state: Any                      # the toolbox CallState (copied on a fork)
     n_calls: int = 0                # tool calls made (counts against call_limit)
-    h_initial: float | None = None  # entropy of the first segment (window of the rollout), inherited by copies
+    h_initial: float | None = None  # entropy of the first segment (window of the rollout); see EntropyWindow
     after_result: bool = False      # the next segment follows a tool result
     seg_start: int = 0              # response index where the last generated segment starts
     last_h: float = 0.0             # window entropy of the last generated segment
@@ -46,8 +46,10 @@ class LiveTrajectory:
         self.done = True
         self.traj.finish_reason = reason
 
-    def fork(self, traj_id: int, key: Hashable, fork_at: int, state: Any) -> LiveTrajectory:
-        """A copy sharing the first `fork_at` response tokens, the tool counters and (a copy of) the tool state."""
+    def fork(self, traj_id: int, key: Hashable, fork_at: int, state: Any,
+             h_initial: float | None = None) -> LiveTrajectory:
+        """A copy sharing the first `fork_at` response tokens, the tool counters and (a copy of) the tool state;
+        `h_initial` is its entropy baseline (None: its next segment becomes it)."""
         p = self.traj
         child = Trajectory(
             traj_id=traj_id, group=p.group, prompt_ids=p.prompt_ids, response_ids=p.response_ids[:fork_at],
@@ -55,7 +57,7 @@ class LiveTrajectory:
             entropies=p.entropies[:fork_at], parent_id=p.traj_id, fork_at=fork_at, kind="branch",
             tool_calls=dict(p.tool_calls), tool_errors=p.tool_errors)
         segments = [s for s in self.segments if s[1] <= fork_at]
-        return LiveTrajectory(child, key, state, n_calls=self.n_calls, h_initial=self.h_initial,
+        return LiveTrajectory(child, key, state, n_calls=self.n_calls, h_initial=h_initial,
                               after_result=True, seg_start=fork_at, segments=segments)
 
 

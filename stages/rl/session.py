@@ -18,17 +18,19 @@ from stages.core.config.rl import RLSection
 from stages.core.refs import DatasetRef
 from stages.data import RLRow
 from stages.rl.backends import load_backend
+from stages.rl.entropy import TokenEntropy
 from stages.rl.prompts import build_prompt_items
 from stages.rl.rollout import RolloutEngine
 from stages.rl.types import RolloutBatch
 
 
 def backend_options(cfg: RLSection, model: torch.nn.Module, seed: int) -> dict[str, Any]:
-    """Keyword options of `load_backend` for the configured backend."""
+    """Keyword options of `load_backend` for the configured backend (both compute the same per-token entropy)."""
+    entropy = TokenEntropy(cfg.rollout.entropy_quantity, cfg.rollout.entropy_topk)
     if cfg.rollout.backend == "vllm":
-        return {"model_path": getattr(model.config, "_name_or_path", None), "seed": seed,
+        return {"model_path": getattr(model.config, "_name_or_path", None), "seed": seed, "entropy": entropy,
                 "max_model_len": cfg.rollout.max_prompt_length + cfg.rollout.max_response_length}
-    return {"kv_reuse": cfg.rollout.kv_reuse}
+    return {"kv_reuse": cfg.rollout.kv_reuse, "entropy": entropy}
 
 
 def corpus_path(agent: AgentSection, data: DatasetRef) -> str | None:

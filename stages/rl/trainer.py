@@ -56,6 +56,9 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     """
     if not cfg.enabled:
         return passthrough(policy)
+    ablation = aepo_components_off(cfg)
+    if ablation:
+        log.warning("rl.algorithm=aepo with %s switched off: an AEPO ablation", ", ".join(ablation))
     key = hash_value(cfg, agent, policy.fingerprint, data.fingerprint, seed,
                      code_version("stages.rl", "stages.agent"))
     out = stage_dir(output_root, "rl", key, force=force)
@@ -68,7 +71,18 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     return CheckpointRef(path=str(final), fingerprint=out.fingerprint, format="trainer", base=base_model(policy),
                          step=int(marker["steps"]),
                          meta={"algorithm": cfg.algorithm, "metrics": str(out.path / "metrics.jsonl"),
-                               "curves": str(out.path / "curves.png"), "rollouts": str(out.path / "rollouts")})
+                               "curves": str(out.path / "curves.png"), "rollouts": str(out.path / "rollouts"),
+                               **({"aepo_off": ablation} if ablation else {})})
+
+
+def aepo_components_off(cfg: RLSection) -> list[str]:
+    """AEPO components a config switches off explicitly under rl.algorithm=aepo (allowed: the reference has one
+    switch per component and the AEPO paper ablates each; the run's artifacts name them)."""
+    if cfg.algorithm != "aepo":
+        return []
+    return [name for name, on in (("entropy-balanced clipping", cfg.loss.policy_loss == "aepo_balanced_clip"),
+                                  ("entropy-aware advantage", cfg.advantage.entropy_aware),
+                                  ("branch penalty", cfg.rollout.branch_penalty > 0)) if not on]
 
 
 def passthrough(policy: ModelRef | CheckpointRef) -> CheckpointRef:

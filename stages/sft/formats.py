@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stages.core.atomic import atomic_path, write_json
+from stages.core.errors import MissingInputError
 from stages.data.rl_parquet import DatasetRowError
 
 Format = Literal["sharegpt", "alpaca"]
@@ -47,7 +48,7 @@ def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(0-based index, raw record) for each record of a .json list, .jsonl or .parquet file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"SFT data file {path} does not exist; set sft.dataset_path to an existing file")
+        raise MissingInputError(f"SFT data file {path} does not exist; set sft.dataset_path to an existing file")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq

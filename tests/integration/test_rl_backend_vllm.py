@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stages.rl.backends import GenRequest, SamplingSpec, load_backend
+from stages.rl.entropy import TokenEntropy
 
 pytestmark = [pytest.mark.integration, pytest.mark.gpu]
 
@@ -42,6 +43,10 @@ def test_vllm_token_in_token_out_with_stops(vllm_setup):
         logits = model(torch.tensor([ids + res.token_ids]).cuda()).logits[0, len(ids) - 1:-1].float()
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.token_ids).cuda()[:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(res.logprobs), expected.cpu(), atol=2e-3)
+    # the branching entropy is the quantity the transformers backend computes from the full distribution
+    # (top-10 + the sampled token, / ln|V|): one number per token on both backends
+    entropy = TokenEntropy().from_logp(torch.log_softmax(logits, -1), torch.tensor(res.token_ids).cuda())
+    assert torch.allclose(torch.tensor(res.entropies), entropy.cpu(), atol=2e-3)
     assert backend.stats.decode_tokens == len(res.token_ids)
 
 

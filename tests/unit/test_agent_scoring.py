@@ -13,6 +13,7 @@ from stages.agent.scoring import (
     math_equivalent,
     normalize_answer,
     parse_gold,
+    unwrap_text,
 )
 
 
@@ -85,6 +86,12 @@ def test_f1_yes_no_rule():
     ("", "1", False),
     (None, "1", False),
     ("Paris", "London", False),
+    # an escaped dollar is a currency sign (the reference's strip_string drops it), not a math delimiter
+    ("18.90", "\\$18.90", True),
+    ("\\$18", "18", True),
+    ("36", "\\$36", True),
+    ("\\$32,348", "\\$32,\\!348", True),   # thousands separator and thin space as MATH writes it
+    ("17", "\\$18", False),
 ])
 def test_math_equivalent(pred, gold, expected):
     assert math_equivalent(pred, gold) is expected
@@ -102,3 +109,15 @@ def test_math_equivalent_off_main_thread():
     thread.join(60)
     # works from a worker thread (math-verify's signal timeouts would raise ValueError there)
     assert results == {"eq": True, "long": False}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("\\text{Frank Lowy}", "Frank Lowy"),
+    ("5.4 \\text{ cents}", "5.4  cents"),
+    ("\\text{(C)}", "(C)"),
+    ("\\textbf{\\text{A}} and \\mathrm{B}", "A and B"),   # nested and other text macros
+    ("\\text{open", "\\text{open"),                        # unbalanced: left alone
+    ("x^{2} + \\frac{1}{2}", "x^{2} + \\frac{1}{2}"),       # other braces untouched
+])
+def test_unwrap_text(text, expected):
+    assert unwrap_text(text) == expected

@@ -111,3 +111,39 @@ def test_section_hash_changes_only_with_that_section() -> None:
     b = load_config("tiny-cpu", ["rl.rollout.n=8"])
     assert a.section_hash("sft") == b.section_hash("sft")
     assert a.section_hash("rl") != b.section_hash("rl")
+
+
+def test_algorithm_is_the_one_source_of_the_rollout_strategy() -> None:
+    grpo = load_config("tiny-cpu", ["rl.algorithm=grpo"])
+    assert (grpo.rl.rollout.strategy, grpo.rl.loss.policy_loss, grpo.rl.rollout.branch_penalty) == \
+        ("grpo", "ppo_dual_clip", 0.0)
+    # the reference AEPO script (research/arpo.md 3): balanced clipping on, entropy-aware advantage on, dynamic
+    # rollouts off; branch penalty 0.05 (issue #44: (u + w dH)(1 - 0.05 c))
+    aepo = load_config("tiny-cpu", ["rl.algorithm=aepo"])
+    assert (aepo.rl.rollout.strategy, aepo.rl.rollout.branch_penalty, aepo.rl.loss.policy_loss,
+            aepo.rl.advantage.entropy_aware, aepo.rl.rollout.dynamic_rollouts) == \
+        ("aepo", 0.05, "aepo_balanced_clip", True, False)
+    assert load_config("tiny-cpu", ["rl.algorithm=aepo", "rl.rollout.strategy=aepo"]) == aepo  # consistent: fine
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    (["rl.rollout.strategy=grpo"], "rl.rollout.strategy=grpo contradicts rl.algorithm=arpo.*Set rl.algorithm=grpo"),
+    (["rl.algorithm=aepo", "rl.rollout.strategy=arpo"], "contradicts rl.algorithm=aepo.*Set rl.algorithm=arpo"),
+    (["rl.loss.policy_loss=aepo_balanced_clip"], "aepo_balanced_clip: AEPO setting.*Set rl.algorithm=aepo"),
+    (["rl.algorithm=grpo", "rl.advantage.entropy_aware=true", "rl.rollout.branch_penalty=0.05"],
+     "entropy_aware=true, rl.rollout.branch_penalty=0.05: AEPO setting.*rl.algorithm=grpo"),
+    (["rl.rollout.dynamic_rollouts=true"], "dynamic_rollouts=true: AEPO setting"),
+])
+def test_contradicting_algorithm_settings_fail_with_the_fix(overrides, fix) -> None:
+    with pytest.raises(ConfigError, match=fix) as err:
+        load_config("tiny-cpu", overrides)
+    assert "got {" not in str(err.value)  # the message, not a dump of the section
+
+
+def test_aepo_component_switched_off_is_an_ablation() -> None:
+    from stages.rl.trainer import aepo_components_off
+
+    cfg = load_config("aepo-qwen3-14b-deepsearch", ["rl.rollout.branch_penalty=0", "rl.loss.policy_loss=ppo_dual_clip"])
+    assert cfg.rl.rollout.branch_penalty == 0.0 and cfg.rl.advantage.entropy_aware
+    assert aepo_components_off(cfg.rl) == ["entropy-balanced clipping", "branch penalty"]
+    assert aepo_components_off(load_config("aepo-qwen3-14b-deepsearch").rl) == []

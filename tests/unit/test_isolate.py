@@ -28,3 +28,14 @@ def test_failure_in_the_child_is_reported(tmp_path: Path) -> None:
     with pytest.raises(IsolatedStageError, match="exited with code 1"):
         call_in_interpreter(sys.executable, "stages.data.prepare:prepare_data",
                             {"cfg": {"source": "parquet"}, "output_root": str(tmp_path)})
+
+
+def test_input_error_in_the_child_comes_back_as_an_input_error(tmp_path: Path, monkeypatch) -> None:
+    # deterministic: the parent re-raises it as a MissingInputError with the child's message (so the task layer
+    # does not retry it), instead of a generic IsolatedStageError
+    from stages.core.errors import MissingInputError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(MissingInputError, match=r"benchmark 'gaia': no file at any of \["):
+        call_in_interpreter(sys.executable, "stages.eval.benchmarks:load_benchmark",
+                            {"name": "gaia", "data_root": str(tmp_path)})

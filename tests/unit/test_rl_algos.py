@@ -38,6 +38,35 @@ def test_group_normalized_hand_values():
     assert adv.tolist() == pytest.approx(expected, abs=TOL)
 
 
+@pytest.mark.parametrize("value,size", [(1.1, 16), (0.1, 12), (0.8, 16), (-1.0, 16), (1.1, 12), (0.1, 16),
+                                        (0.3, 7), (1.0, 2)])
+def test_all_equal_group_gets_exactly_zero(value, size):
+    # R_i = v for all i: mean = v, every deviation R_i - mean = 0, std = 0 -> A = 0 / (0 + eps) = 0, exactly.
+    # (float32 statistics gave |A| = 0.106 for 16 x 1.1 and 0.0147 for 12 x 0.1: the mean was one ulp off.)
+    # The group sits next to another group, so the shifted statistics are per group, not batch-wide.
+    rewards = torch.tensor([value] * size + [0.0, 1.0])
+    groups = torch.tensor([5] * size + [9, 9])
+    adv = group_normalized(rewards, groups, eps=1e-6)
+    assert torch.equal(adv[:size], torch.zeros(size))
+    # the other group R = [0, 1]: mean 0.5, var = 2 * 0.25 / 1 = 0.5, std = 0.707107 -> A = -+0.5 / 0.707108
+    assert adv[size:].tolist() == pytest.approx([-0.707106, 0.707106], abs=1e-6)
+
+
+def test_normal_groups_to_1e6():
+    # group 0: R = [1.1, 0, -1, 1.1]: mean = 1.2 / 4 = 0.3, dev = [0.8, -0.3, -1.3, 0.8],
+    #   sum dev^2 = 0.64 + 0.09 + 1.69 + 0.64 = 3.06, var = 3.06 / 3 = 1.02, std = 1.0099505
+    #   A = dev / (1.0099505 + 1e-6) = [0.7921173, -0.2970440, -1.2871905, 0.7921173]
+    # group 1: R = 11 x 0.1 and one 1.1: mean = 2.2 / 12 = 0.1833333, dev = -0.0833333 (x 11), 0.9166667,
+    #   sum dev^2 = 11 / 144 + 121 / 144 = 132 / 144 = 0.9166667, var = 0.9166667 / 11 = 1/12, std = 0.2886751
+    #   A = -0.0833333 / 0.2886761 = -0.2886741, 0.9166667 / 0.2886761 = 3.1754155
+    rewards = torch.tensor([1.1, 0.0, -1.0, 1.1] + [0.1] * 11 + [1.1])
+    groups = torch.tensor([0] * 4 + [1] * 12)
+    adv = group_normalized(rewards, groups, eps=1e-6).tolist()
+    assert adv[:4] == pytest.approx([0.7921173, -0.2970440, -1.2871905, 0.7921173], abs=1e-6)
+    assert adv[4:15] == pytest.approx([-0.2886741] * 11, abs=1e-6)
+    assert adv[15] == pytest.approx(3.1754155, abs=1e-6)
+
+
 def test_group_normalized_loop_equivalence():
     gen = random.Random(0)
     rewards = [gen.choice([-1.0, 0.0, 0.3, 1.0, 1.1]) for _ in range(40)]

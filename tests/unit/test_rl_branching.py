@@ -114,10 +114,19 @@ def test_entropy_windows():
     assert window_sum(ents, 2) == pytest.approx(0.6, abs=1e-12)     # 0.2 + 0.4
     assert window_mean(ents, 20) == pytest.approx(0.4, abs=1e-12)   # shorter segment: all of it
     assert window_mean([], 5) == 0.0
-    assert EntropyWindow("paper", 2).segment_entropy(ents) == pytest.approx(0.3, abs=1e-12)
-    assert EntropyWindow("reference", 2).segment_entropy(ents) == pytest.approx(0.6, abs=1e-12)
-    assert EntropyWindow("paper").decide_after_generation
+    assert EntropyWindow("paper", 2, "mean").segment_entropy(ents) == pytest.approx(0.3, abs=1e-12)
+    assert EntropyWindow("reference", 2).segment_entropy(ents) == pytest.approx(0.6, abs=1e-12)  # sum by default
+    assert EntropyWindow("paper", 2).segment_entropy(ents) == pytest.approx(0.6, abs=1e-12)
+    assert EntropyWindow("paper").decide_after_generation and EntropyWindow("paper").copies_inherit_baseline
     assert not EntropyWindow("reference").decide_after_generation
+    assert not EntropyWindow().copies_inherit_baseline and EntropyWindow().mode == "reference"
+    # AEPO H_tool from probe segments (start, end, after_result, H): reference = mean of all, paper = post-result
+    segments = [(0, 5, False, 0.9), (8, 12, True, 0.3), (15, 20, True, 0.6)]
+    assert EntropyWindow("reference").tool_entropy(segments) == pytest.approx(0.6)   # (0.9 + 0.3 + 0.6) / 3
+    assert EntropyWindow("paper").tool_entropy(segments) == pytest.approx(0.45)      # (0.3 + 0.6) / 2
+    assert EntropyWindow("paper").tool_entropy(segments[:1]) is None                  # no call: caller uses H_root
+    with pytest.raises(ValueError, match="entropy_aggregation"):
+        EntropyWindow("paper", 2, "max")  # type: ignore[arg-type]
     assert delta_entropy(0.7, 0.2) == pytest.approx(0.5)
     assert delta_entropy(0.7, None) == 0.0
     with pytest.raises(ValueError, match="entropy_window"):

@@ -114,7 +114,8 @@ def test_grpo_independent_roots_share_one_prompt_prefill():
 
 def test_arpo_paper_window_branches_after_post_result_segment():
     # tau = 0, w = 1: P = clip(dH); first segment H = 0 (baseline), post-result segment H = 1 -> dH = 1 -> P = 1
-    section = cfg(strategy="arpo", n=4, initial_rollouts=2, branch_probability=0.0, entropy_weight=1.0)
+    section = cfg(strategy="arpo", n=4, initial_rollouts=2, branch_probability=0.0, entropy_weight=1.0,
+                  entropy_window="paper", entropy_aggregation="mean")
     _, batch, backend, _, _ = run(search_then_answer(0.0, 1.0), section)
     (g,) = batch.groups
     assert [t.kind for t in g.trajectories] == ["root", "root", "branch", "branch"]
@@ -175,22 +176,49 @@ def test_initial_entropy_is_reset_every_rollout_call():
     engine, first, _, _, tok = run(policy, cfg(strategy="arpo", n=2, initial_rollouts=2))
     calls["n"] = 1
     second = engine.rollout([PromptItem(0, tok.encode("user: q\nassistant:"), "q", "A", "qa")])
-    assert [t.meta["h_initial"] for t in first.trajectories] == [pytest.approx(0.3)] * 2
-    assert [t.meta["h_initial"] for t in second.trajectories] == [pytest.approx(0.7)] * 2
+    # reference window, summed: the first segment is SEARCH, 18 tokens of 0.3 (then 0.7) -> 5.4 (then 12.6)
+    assert [t.meta["h_initial"] for t in first.trajectories] == [pytest.approx(18 * 0.3)] * 2
+    assert [t.meta["h_initial"] for t in second.trajectories] == [pytest.approx(18 * 0.7)] * 2
 
 
-@pytest.mark.parametrize("e_search,e_answer,initial", [(0.0, 1.0, 2), (1.0, 0.0, 3)])
-def test_aepo_dynamic_initial_count(e_search, e_answer, initial):
-    # H_root = first-segment entropy = e_search; H_tool = post-result segment = e_answer
-    # n = 4: floor(4 * sigmoid(0.5 * (H_root - H_tool))) + 1: sigmoid(-0.5) -> 1 + 1 = 2; sigmoid(0.5) -> 2 + 1 = 3
+@pytest.mark.parametrize("window,agg,e_search,e_answer,h_root,h_tool,initial", [
+    # paper window, mean: H_root = the probe generation's mean = e_search; H_tool = the post-result segment's mean
+    # n = 4: floor(4 sigmoid(0.5 (H_root - H_tool))) + 1: sigmoid(-0.5) = 0.378 -> 1 + 1 = 2; sigmoid(0.5) -> 2 + 1 = 3
+    ("paper", "mean", 0.0, 1.0, 0.0, 1.0, 2),
+    ("paper", "mean", 1.0, 0.0, 1.0, 0.0, 3),
+    # reference window, summed (the defaults): the probe generation is SEARCH (18 tokens) -> H_root = 18 e_search;
+    # H_tool = mean over EVERY probe segment (as the reference): SEARCH 18 e_search and ANSWER+EOS 19 e_answer
+    #   (0, 1): H_root 0, H_tool (0 + 19) / 2 = 9.5: sigmoid(-4.75) = 0.0086 -> floor(0.034) + 1 = 1
+    #   (1, 0): H_root 18, H_tool (18 + 0) / 2 = 9: sigmoid(4.5) = 0.989 -> floor(3.96) + 1 = 4
+    ("reference", "sum", 0.0, 1.0, 0.0, 9.5, 1),
+    ("reference", "sum", 1.0, 0.0, 18.0, 9.0, 4),
+])
+def test_aepo_dynamic_initial_count(window, agg, e_search, e_answer, h_root, h_tool, initial):
     section = cfg(strategy="aepo", n=4, initial_rollouts=1, dynamic_rollouts=True, branch_probability=1.0,
-                  entropy_weight=0.0)
+                  entropy_weight=0.0, entropy_window=window, entropy_aggregation=agg)
     _, batch, _, box, _ = run(search_then_answer(e_search, e_answer), section)
     (g,) = batch.groups
     assert g.initial_rollouts == initial and len(g.trajectories) == 4
-    assert g.meta == {"h_root": pytest.approx(e_search), "h_tool": pytest.approx(e_answer)}
+    assert g.meta == {"h_root": pytest.approx(h_root), "h_tool": pytest.approx(h_tool)}
     assert [t.traj_id for t in g.trajectories] == [0, 1, 2, 3]    # probe trajectories are not in the batch
     assert len(box.batches[0]) == 1                                # the probe's own tool call ran first
+
+
+def test_reference_window_copies_take_their_own_baseline():
+    # reference window (code-faithful): a copy made after call 1 has no baseline; its first segment after the fork
+    # becomes it. Root: SEARCH (H 18 x 0.2 = 3.6), result, SEARCH again (18 x 0.5 = 9), ... The copy's first
+    # own segment is the second SEARCH -> its h_initial = 9.0, not the parent's 3.6 (the paper window inherits).
+    def policy(ctx, key):
+        calls = ctx.count("</result>")
+        return (SEARCH, 0.2 if calls == 0 else 0.5) if calls < 2 else (ANSWER, 0.1)
+
+    for window, expected in (("reference", 18 * 0.5), ("paper", 18 * 0.2)):
+        section = cfg(strategy="arpo", n=2, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
+                      entropy_window=window)
+        _, batch, _, _, _ = run(policy, section)
+        root, copy = batch.groups[0].trajectories
+        assert copy.kind == "branch" and root.meta["h_initial"] == pytest.approx(18 * 0.2)
+        assert copy.meta["h_initial"] == pytest.approx(expected), window
 
 
 def test_prompt_validation_messages():

@@ -25,29 +25,33 @@ from stages.rl.backends.kvcache import (
     attention_mask_4d,
     common_prefix,
 )
-from stages.rl.backends.sampling import logprobs_and_entropy, sample_tokens
+from stages.rl.backends.sampling import sample_tokens
 from stages.rl.backends.vllm_backend import (
     VLLMNotInstalledError,
     result_from_output,
     sampling_kwargs,
-    topk_entropy,
 )
+from stages.rl.entropy import TokenEntropy
 from tests.unit.test_rl_rollout_fakes import ToyTokenizer
 
 torch.set_num_threads(1)
 
 
-def test_logprob_and_entropy_hand_values():
+def test_sampled_logprob_and_entropy_hand_values():
     # p = softmax([0, ln 3]) = [0.25, 0.75]; H = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335 nats; / ln 2 = 0.811278
+    # (|V| = 2 <= k: the top-k entropy is the full entropy)
     logits = torch.tensor([[0.0, math.log(3.0)]])
-    logp, ent = logprobs_and_entropy(logits, 1.0)
-    assert logp[0].tolist() == pytest.approx([math.log(0.25), math.log(0.75)], abs=1e-6)
+    _, logp, ent = sample_tokens(logits, SamplingSpec(temperature=0.0))
+    assert logp.item() == pytest.approx(math.log(0.75), abs=1e-6)
     assert ent.item() == pytest.approx(0.811278, abs=1e-6)
     # temperature 2 on [0, ln 9] scales to [0, ln 3]: the same distribution
-    _, ent_t = logprobs_and_entropy(torch.tensor([[0.0, math.log(9.0)]]), 2.0)
+    gen = torch.Generator().manual_seed(0)
+    _, _, ent_t = sample_tokens(torch.tensor([[0.0, math.log(9.0)]]), SamplingSpec(temperature=2.0), gen)
     assert ent_t.item() == pytest.approx(0.811278, abs=1e-6)
-    # uniform over 8 tokens: H = ln 8 / ln 8 = 1
-    assert logprobs_and_entropy(torch.zeros(1, 8), 1.0)[1].item() == pytest.approx(1.0, abs=1e-6)
+    # uniform over 8 tokens: the full entropy is ln 8 / ln 8 = 1
+    flat = torch.zeros(1, 8)
+    assert sample_tokens(flat, SamplingSpec(temperature=0.0), entropy=TokenEntropy("full"))[2].item() == \
+        pytest.approx(1.0, abs=1e-6)
 
 
 def test_sample_tokens_greedy_and_truncation():
@@ -151,10 +155,12 @@ def lp(logprob: float, rank: int) -> SimpleNamespace:
 def test_vllm_topk_entropy():
     half = math.log(0.5)
     # two entries of p = 0.5: H = ln 2; |V| = 4 -> ln 2 / ln 4 = 0.5
-    assert topk_entropy({3: lp(half, 1), 5: lp(half, 2)}, 10, 4) == pytest.approx(0.5)
-    # k = 1 keeps only the best-ranked entry (the sampled token outside the top k does not count)
-    assert topk_entropy({3: lp(half, 1), 9: lp(math.log(0.1), 7)}, 1, 4) == pytest.approx(0.5 * math.log(2) /
-                                                                                         math.log(4))
+    assert TokenEntropy("topk", 10).from_positions([{3: lp(half, 1), 5: lp(half, 2)}], [3], 4) == \
+        pytest.approx([0.5])
+    # k = 1 keeps the best-ranked entry, and the sampled token outside it counts too (the reference flattens
+    # every entry vLLM returns): (0.5 ln 2 + 0.1 ln 10) / ln 4
+    assert TokenEntropy("topk", 1).from_positions([{3: lp(half, 1), 9: lp(math.log(0.1), 7)}], [9], 4) == \
+        pytest.approx([(0.5 * math.log(2) + 0.1 * math.log(10)) / math.log(4)])
 
 
 def test_vllm_result_conversion():
@@ -163,16 +169,16 @@ def test_vllm_result_conversion():
     eos = frozenset({2})
     stop = SimpleNamespace(token_ids=[7, 9], logprobs=[positions[0], {9: lp(-0.2, 1)}], finish_reason="stop",
                            stop_reason="</search>")
-    res = result_from_output(stop, eos, 10, 4)
+    res = result_from_output(stop, eos, TokenEntropy(), 4)
     assert (res.token_ids, res.finish_reason, res.stop) == ([7, 9], "stop", "</search>")
     assert res.logprobs == pytest.approx([half, -0.2])
     by_eos = SimpleNamespace(token_ids=[7, 2], logprobs=positions, finish_reason="stop", stop_reason=None)
-    assert result_from_output(by_eos, eos, 10, 4).finish_reason == "eos"
+    assert result_from_output(by_eos, eos, TokenEntropy(), 4).finish_reason == "eos"
     cut = SimpleNamespace(token_ids=[7, 2], logprobs=positions, finish_reason="length", stop_reason=None)
-    assert result_from_output(cut, eos, 10, 4).finish_reason == "length"
+    assert result_from_output(cut, eos, TokenEntropy(), 4).finish_reason == "length"
     no_lp = SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)
     with pytest.raises(RuntimeError, match="logprob"):
-        result_from_output(no_lp, eos, 10, 4)
+        result_from_output(no_lp, eos, TokenEntropy(), 4)
 
 
 def test_factory():

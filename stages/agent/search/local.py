@@ -13,6 +13,7 @@ from pathlib import Path
 
 from stages.agent.search.base import Passage, SearchBackend
 from stages.core.atomic import atomic_path, write_json
+from stages.core.errors import MissingInputError
 from stages.core.fingerprint import hash_file
 from stages.core.log import get_logger
 
@@ -42,7 +43,7 @@ def read_corpus(path: str | Path) -> list[dict[str, str]]:
     """FlashRAG JSONL rows as `{"id", "contents"}`; a bad row raises naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"search corpus {path} does not exist; set agent.search.corpus_path to a FlashRAG "
+        raise MissingInputError(f"search corpus {path} does not exist; set agent.search.corpus_path to a FlashRAG "
                                 "JSONL file ({\"id\", \"contents\"} per line) or run the data stage")
     docs = []
     with open(path, encoding="utf-8") as handle:

@@ -46,6 +46,10 @@ class EvalSection(Section):
     sample_timeout_s: float = 1500.0
     max_python: int = 5
     max_search: int = 10
+    benchmark_prompts: bool = Field(
+        True, description="a benchmark with its own system prompt in the reference (xbench: Chinese, "
+        "configs/templates/tir_search_python_zh.txt) uses it when it offers the same tools as agent.prompt_template; "
+        "false = agent.prompt_template everywhere")
     judge: JudgeSection = JudgeSection()
     bootstrap_samples: int = Field(1000, ge=10, description="bootstrap resamples (over questions) per CI")
     bootstrap_seed: int = Field(0, description="seed of the bootstrap resampling")

@@ -15,12 +15,13 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from stages.core.config.root import RunConfig
+from stages.core.errors import BadInputError
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 
 
-class ConfigError(ValueError):
-    """A config problem, phrased with the key and the fix."""
+class ConfigError(BadInputError):
+    """A config problem, phrased with the key and the fix (a ValueError; never retried)."""
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +111,8 @@ def explain(err: ValidationError) -> str:
             close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
             fix = f"did you mean {'.'.join(loc[:-1] + [close[0]])!r}?" if close else f"valid keys here: {valid}"
             lines.append(f"unknown config key {key!r}: {fix}")
+        elif issue["type"] == "value_error":  # a cross-field rule: its message names the keys and the fix
+            lines.append(str(issue["msg"]).removeprefix("Value error, "))
         else:
             where = f"{key}: " if key else ""
             lines.append(f"{where}{issue['msg']} (got {issue.get('input')!r})")

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from stages.core.config.section import Section
 
@@ -10,7 +10,8 @@ from stages.core.config.section import Section
 class RolloutSection(Section):
     """Multi-turn tool rollouts (ARPO defaults from the 7B reasoning script)."""
 
-    strategy: str = Field("arpo", description="rollout strategy registry name: grpo | arpo | aepo")
+    strategy: str = Field("arpo", description="rollout strategy registry name (grpo | arpo | aepo); in a run config "
+                          "rl.algorithm sets it: leave it unset")
     backend: Literal["transformers", "vllm"] = "transformers"
     n: int = Field(16, ge=1, description="trajectories per prompt (GRPO group size, total budget)")
     initial_rollouts: int = Field(8, ge=1, description="root trajectories per prompt")
@@ -18,8 +19,15 @@ class RolloutSection(Section):
     branch_probability: float = Field(0.5, ge=0, le=1, description="tau")
     entropy_weight: float = Field(0.2, description="w in P = clip(tau + w * dH)")
     entropy_window: Literal["paper", "reference"] = Field(
-        "paper", description="paper: first k tokens after each result; reference: segment start, summed, lagged")
-    entropy_tokens: int = Field(20, ge=1, description="k")
+        "reference", description="reference (the ARPO code): every segment measured, the decision one round late, "
+        "copies take their own baseline; paper: the segment after each result, fork at its start")
+    entropy_aggregation: Literal["sum", "mean"] = Field(
+        "sum", description="a segment's H from its first entropy_tokens token entropies: sum (the reference; tau "
+        "and w were tuned on it) or mean (dH ~k times smaller)")
+    entropy_tokens: int = Field(20, ge=1, description="k: tokens of a segment that are measured")
+    entropy_quantity: str = Field("topk", description="per-token entropy, registry stages.rl.entropy: topk (the "
+                                  "reference) | full (whole vocabulary, transformers backend only)")
+    entropy_topk: int = Field(10, ge=1, description="k of the topk entropy (the reference asks vLLM for 10)")
     call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
     max_prompt_length: int = 1536
     max_response_length: int = 4096
@@ -29,7 +37,8 @@ class RolloutSection(Section):
     dynamic_rollouts: bool = Field(False, description="AEPO entropy pre-monitoring for initial_rollouts")
     dynamic_beta: float = 0.5
     probe_tokens: int = 50
-    branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty per branch (0.05)")
+    branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty per branch; unset = 0.05 "
+                                  "under the aepo strategy (the reference), else 0")
     fresh_fill: Literal["one", "all"] = Field(
         "one", description="a group with no active trajectory left starts one fresh root per round (reference) "
         "or fills its whole leftover budget at once")
@@ -39,24 +48,38 @@ class RolloutSection(Section):
     kv_reuse: bool = Field(True, description="transformers backend: keep KV caches across rounds and share "
                            "them with branches; false re-prefills every context each round (baseline)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_defaults(cls, data: Any) -> Any:
+        """An unset (or null) branch_penalty is AEPO's 0.05 under the aepo strategy, else 0."""
+        if isinstance(data, dict) and data.get("branch_penalty") is None:
+            data = {k: v for k, v in data.items() if k != "branch_penalty"}
+            if data.get("strategy") == "aepo":
+                data["branch_penalty"] = 0.05
+        return data
+
     @model_validator(mode="after")
-    def _budget(self) -> "RolloutSection":
+    def _budget(self) -> RolloutSection:
         if self.initial_rollouts > self.n:
             raise ValueError(f"rl.rollout.initial_rollouts={self.initial_rollouts} exceeds rl.rollout.n={self.n}; "
                              "lower initial_rollouts or raise n")
+        if self.entropy_quantity == "full" and self.backend == "vllm":
+            raise ValueError("rl.rollout.entropy_quantity=full needs the whole distribution, but the vllm backend "
+                             "returns top-k log-probs only; use entropy_quantity=topk or backend=transformers")
         return self
 
 
 class AdvantageSection(Section):
     estimator: str = Field("grpo", description="advantage registry name")
     attribution: Literal["soft", "hard"] = "soft"
-    entropy_aware: bool = Field(False, description="AEPO A * (1 + alpha * sg(H_std))")
+    entropy_aware: bool = Field(False, description="AEPO A * (1 + alpha * sg(H_std)); rl.algorithm=aepo turns it on")
     entropy_alpha: float = 0.2
     eps: float = 1e-6
 
 
 class LossSection(Section):
-    policy_loss: str = Field("ppo_dual_clip", description="policy loss registry name")
+    policy_loss: str = Field("ppo_dual_clip", description="policy loss registry name; rl.algorithm=aepo makes it "
+                             "aepo_balanced_clip")
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -88,14 +111,58 @@ class TrainerSection(Section):
     dump_rollouts: bool = True
 
 
+# What rl.algorithm sets where the config leaves a key unset (or null); AEPO as the reference AEPO script runs it
+# (research/arpo.md 3: entropy-balanced clipping and advantage on, dynamic rollouts off, branch penalty 0.05 via
+# the aepo strategy).
+IMPLIED_BY_ALGORITHM: dict[str, dict[str, dict[str, Any]]] = {
+    "grpo": {"rollout": {"strategy": "grpo"}},
+    "arpo": {"rollout": {"strategy": "arpo"}},
+    "aepo": {"rollout": {"strategy": "aepo"}, "loss": {"policy_loss": "aepo_balanced_clip"},
+             "advantage": {"entropy_aware": True}},
+}
+
+
+def _fill_unset(section: Any, implied: dict[str, Any]) -> Any:
+    given = section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section or {})
+    return {**given, **{key: value for key, value in implied.items() if given.get(key) is None}}
+
+
 class RLSection(Section):
     enabled: bool = True
-    algorithm: Literal["grpo", "arpo", "aepo"] = "arpo"
+    algorithm: Literal["grpo", "arpo", "aepo"] = Field(
+        "arpo", description="the one source of the algorithm: it sets rollout.strategy and, for aepo, the AEPO "
+        "defaults (balanced clip, entropy-aware advantage, branch penalty 0.05); contradicting settings are errors")
     rollout: RolloutSection = RolloutSection()
     advantage: AdvantageSection = AdvantageSection()
     loss: LossSection = LossSection()
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implied_by_algorithm(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        implied = IMPLIED_BY_ALGORITHM.get(data.get("algorithm", "arpo"), {})
+        return {**data, **{name: _fill_unset(data.get(name), values) for name, values in implied.items()}}
+
+    @model_validator(mode="after")
+    def _one_algorithm(self) -> RLSection:
+        algo = self.algorithm
+        if self.rollout.strategy != algo:
+            raise ValueError(f"rl.rollout.strategy={self.rollout.strategy} contradicts rl.algorithm={algo}: the "
+                             f"algorithm picks the rollout strategy. Set rl.algorithm={self.rollout.strategy} and "
+                             "leave rl.rollout.strategy unset")
+        if algo != "aepo":
+            aepo_only = [text for text, on in (
+                ("rl.loss.policy_loss=aepo_balanced_clip", self.loss.policy_loss == "aepo_balanced_clip"),
+                ("rl.advantage.entropy_aware=true", self.advantage.entropy_aware),
+                (f"rl.rollout.branch_penalty={self.rollout.branch_penalty}", self.rollout.branch_penalty > 0),
+                ("rl.rollout.dynamic_rollouts=true", self.rollout.dynamic_rollouts)) if on]
+            if aepo_only:
+                raise ValueError(f"{', '.join(aepo_only)}: AEPO setting(s) under rl.algorithm={algo}. Set "
+                                 "rl.algorithm=aepo (it turns the AEPO defaults on) or remove them")
+        return self
 
 
 class MergeSection(Section):

@@ -39,6 +39,7 @@ from stages.rl.backends.kvcache import (
     extract,
 )
 from stages.rl.backends.sampling import sample_tokens
+from stages.rl.entropy import TokenEntropy
 
 log = get_logger(__name__)
 
@@ -72,9 +73,10 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, kv_reuse: bool = True,
-                 max_batch_size: int | None = None) -> None:
+                 max_batch_size: int | None = None, entropy: TokenEntropy | None = None) -> None:
         check_model(model)
         self.model, self.tokenizer = model, tokenizer
+        self.entropy = entropy or TokenEntropy()
         self.kv_reuse = kv_reuse
         self.max_batch_size = max_batch_size
         self.vocab_size = min(len(tokenizer), int(model.get_output_embeddings().weight.shape[0]))
@@ -177,7 +179,7 @@ class TransformersBackend:
         out = [GenResult([], [], [], "length") for _ in requests]
         rows = list(range(len(requests)))  # batch row -> request index
         while rows:
-            tok_B, logp_B, ent_B = sample_tokens(logits_BV, sampling, generator)
+            tok_B, logp_B, ent_B = sample_tokens(logits_BV, sampling, generator, self.entropy)
             keep: list[int] = []
             for b, i in enumerate(rows):
                 res, tok = out[i], int(tok_B[b])

@@ -1,31 +1,25 @@
-"""Next-token sampling over a batch of logits: token, its log-prob and the normalised full-vocabulary entropy."""
+"""Next-token sampling over a batch of logits: token, its log-prob and its normalised entropy (the configured
+per-token quantity, `stages.rl.entropy.TokenEntropy`; top-k by default, as the reference)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from stages.rl.backends.base import SamplingSpec
+from stages.rl.entropy import TokenEntropy
 
 
-def logprobs_and_entropy(logits_BV: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits / T) and its entropy / ln|V| per row (T <= 0 -> T = 1, the greedy convention)."""
-    scale = temperature if temperature > 0 else 1.0
-    logp_BV = torch.log_softmax(logits_BV.float() / scale, dim=-1)
-    ent_B = -(logp_BV.exp() * logp_BV).sum(-1) / math.log(logits_BV.shape[-1])
-    return logp_BV, ent_B
-
-
-def sample_tokens(logits_BV: torch.Tensor, sampling: SamplingSpec,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_tokens(logits_BV: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None = None,
+                  entropy: TokenEntropy | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (token_B, logp_B, entropy_B).
 
     The log-prob and the entropy are those of softmax(logits / T) before top-k / top-p truncation (what the
-    trainer recomputes); truncation only shapes the sampling distribution. Greedy picks the argmax.
+    trainer recomputes); truncation only shapes the sampling distribution. Greedy picks the argmax. The entropy
+    is `entropy` (default: top-10 plus the sampled token, / ln|V|), the quantity every backend reports.
     """
-    logp_BV, ent_B = logprobs_and_entropy(logits_BV, sampling.temperature)
+    scale = sampling.temperature if sampling.temperature > 0 else 1.0
+    logp_BV = torch.log_softmax(logits_BV.float() / scale, dim=-1)
     if sampling.greedy:
         tok_B = logits_BV.argmax(-1)
     else:
@@ -37,4 +31,5 @@ def sample_tokens(logits_BV: torch.Tensor, sampling: SamplingSpec,
         probs_BV = torch.softmax(scores_BV, dim=-1)
         tok_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
     logp_B = logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
+    ent_B = (entropy or TokenEntropy()).from_logp(logp_BV, tok_B)
     return tok_B, logp_B, ent_B

@@ -1,17 +1,18 @@
 """vLLM generation backend (GPU boxes; vLLM lives in its own environment, its pins clash with LLaMA-Factory).
 
 `vllm` is imported only when this backend is constructed. The module's pure helpers (`sampling_kwargs`,
-`result_from_output`, `topk_entropy`) run without vLLM and are unit-tested on plain objects.
+`result_from_output`) run without vLLM and are unit-tested on plain objects.
 
 - Engine: `vllm.LLM(model=<the trainer's model folder>, enable_prefix_caching=True, ...)`. Forks and shared
   prompts need no bookkeeping: automatic prefix caching recognises the shared token prefix, so `fork`,
   `prefill` and `release` are no-ops. Forward-token counts come from `RequestOutput.num_cached_tokens`.
 - Requests are token ids (`TokensPrompt`), `n=1`, stop strings = the closing tool tags with
   `include_stop_str_in_output=True`; the returned `token_ids` are exactly the sampled ids.
-- Entropy: vLLM returns only the top-k log-probs per position (`logprobs=k`, default 10, as the reference), so the
-  entropy is the truncated sum -sum_{top-k} p log p / ln|V| (a lower bound of the full entropy; the reference
-  uses the same truncation). Log-probs are the processed ones (`logprobs_mode="processed_logprobs"`, i.e. after
-  temperature) where the installed vLLM supports that engine argument.
+- Entropy: vLLM returns only the top-k log-probs per position (`logprobs=k`, default 10, as the reference) plus
+  the sampled token when it is outside them; the per-token entropy is `stages.rl.entropy.TokenEntropy` over
+  those entries, the same quantity the transformers backend computes (default `topk`: the reference's
+  truncated -sum p log p / ln|V|). Log-probs are the processed ones (`logprobs_mode="processed_logprobs"`, i.e.
+  after temperature) where the installed vLLM supports that engine argument.
 - Weights: the trainer updates its torch model in place; `refresh_weights()` (called by the rollout engine at
   the start of every rollout) copies every named parameter into the engine's model with
   `model.load_weights([(name, tensor), ...])` and then calls `llm.reset_prefix_cache()` (cached KV blocks of
@@ -21,7 +22,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
@@ -34,6 +34,7 @@ from stages.rl.backends.base import (
     SamplingSpec,
     eos_ids_of,
 )
+from stages.rl.entropy import TokenEntropy
 
 log = get_logger(__name__)
 
@@ -73,15 +74,7 @@ def sampling_kwargs(sampling: SamplingSpec, max_new_tokens: int, seed: int | Non
     return kwargs
 
 
-def topk_entropy(position_logprobs: dict[int, Any], k: int, vocab_size: int) -> float:
-    """-sum p log p over the k best-ranked entries of one position (vLLM may add the sampled token as a k+1-th
-    entry; it only counts when it is within the top k), normalised by ln|V|."""
-    entries = sorted(position_logprobs.values(), key=lambda lp: (getattr(lp, "rank", None) or 1 << 30))[:k]
-    h = -sum(math.exp(lp.logprob) * lp.logprob for lp in entries if math.isfinite(lp.logprob))
-    return h / math.log(vocab_size)
-
-
-def result_from_output(completion: Any, eos_ids: frozenset[int], logprobs_k: int, vocab_size: int) -> GenResult:
+def result_from_output(completion: Any, eos_ids: frozenset[int], entropy: TokenEntropy, vocab_size: int) -> GenResult:
     """Convert a vLLM `CompletionOutput` (token_ids, logprobs, finish_reason, stop_reason) to a GenResult.
 
     finish_reason "length" -> length; "stop" with a string stop_reason -> that stop string; "stop" otherwise
@@ -93,7 +86,7 @@ def result_from_output(completion: Any, eos_ids: frozenset[int], logprobs_k: int
         raise RuntimeError(f"vLLM returned {len(positions)} logprob entries for {len(ids)} tokens; "
                            "requests must set logprobs")
     logps = [float(pos[t].logprob) for t, pos in zip(ids, positions)]
-    ents = [topk_entropy(pos, logprobs_k, vocab_size) for pos in positions]
+    ents = entropy.from_positions(positions, ids, vocab_size)
     if completion.finish_reason == "length":
         return GenResult(ids, logps, ents, "length")
     if isinstance(completion.stop_reason, str):
@@ -107,11 +100,12 @@ def result_from_output(completion: Any, eos_ids: frozenset[int], logprobs_k: int
 class VLLMBackend:
     name = "vllm"
 
-    def __init__(self, model, tokenizer, *, model_path: str | None = None, llm: Any = None, logprobs_k: int = 10,
-                 gpu_memory_utilization: float = 0.6, max_model_len: int | None = None, seed: int = 0,
-                 engine_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, model, tokenizer, *, model_path: str | None = None, llm: Any = None,
+                 entropy: TokenEntropy | None = None, gpu_memory_utilization: float = 0.6,
+                 max_model_len: int | None = None, seed: int = 0, engine_kwargs: dict[str, Any] | None = None) -> None:
         vllm = import_vllm()
-        self.model, self.tokenizer, self.logprobs_k = model, tokenizer, logprobs_k
+        self.entropy = entropy or TokenEntropy()
+        self.model, self.tokenizer, self.logprobs_k = model, tokenizer, self.entropy.k
         self.eos_token_ids = eos_ids_of(tokenizer, getattr(model, "generation_config", None))
         model_vocab = int(model.get_output_embeddings().weight.shape[0]) if model is not None else len(tokenizer)
         self.vocab_size = min(len(tokenizer), model_vocab)
@@ -125,7 +119,7 @@ class VLLMBackend:
             kwargs: dict[str, Any] = {
                 "model": str(path), "enable_prefix_caching": True, "enforce_eager": True, "seed": seed,
                 "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
-                "logprobs_mode": "processed_logprobs", "max_logprobs": max(20, logprobs_k)}
+                "logprobs_mode": "processed_logprobs", "max_logprobs": max(20, self.logprobs_k)}
             kwargs.update(engine_kwargs or {})
             try:
                 llm = vllm.LLM(**kwargs)
@@ -156,7 +150,7 @@ class VLLMBackend:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []
         for req, out in zip(requests, outputs):
-            res = result_from_output(out.outputs[0], self.eos_token_ids, self.logprobs_k, self.vocab_size)
+            res = result_from_output(out.outputs[0], self.eos_token_ids, self.entropy, self.vocab_size)
             cached = int(getattr(out, "num_cached_tokens", 0) or 0)
             self.stats.prefill_tokens += len(req.token_ids) - cached
             self.stats.reused_tokens += cached
