@@ -40,7 +40,12 @@ from stages.agent.sandbox_os import (
     tasks_of,
     uid_allocator,
 )
-from stages.agent.sandbox_spec import SANDBOX_DIR, InterpreterPaths, prepare_code, sandbox_env
+from stages.agent.sandbox_spec import (
+    SANDBOX_DIR,
+    InterpreterPaths,
+    prepare_code,
+    sandbox_env,
+)
 from stages.agent.sandbox_zygote import CallOutcome, WarmParent, zygote_argv
 from stages.core.config.agent import PythonToolSection
 from stages.core.log import get_logger

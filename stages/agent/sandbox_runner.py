@@ -32,11 +32,28 @@ import resource
 import select
 import signal
 import socket
-import stat
-import struct
 import sys
 import time
 import traceback
+
+if __name__ != "__main__":  # imported as a module; under `python -c` sandbox_isolation's source comes first
+    from stages.agent.sandbox_isolation import (
+        CLONE_NEWPID,
+        LIBC,
+        MB,
+        PR_SET_DUMPABLE,
+        SYS_LANDLOCK,
+        become,
+        call_namespaces,
+        checked,
+        drop_capabilities,
+        landlock_abi,
+        landlock_ruleset,
+        no_new_privs,
+        own_user_namespace,
+        prctl,
+        try_unshare_network,
+    )
 
 STDLIB_PRELOAD = (
     "math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools", "collections", "heapq",
@@ -44,134 +61,6 @@ STDLIB_PRELOAD = (
     "array", "struct", "hashlib", "textwrap", "unicodedata", "calendar", "pprint", "dataclasses", "enum",
     "io", "csv", "glob", "pathlib", "shutil", "tempfile", "socket", "subprocess", "signal", "threading",
 )
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
-SYS_LANDLOCK = (444, 445, 446)  # create_ruleset, add_rule, restrict_self: the same number on every arch
-LL_FS_FILE = 1 | 2 | 4 | (1 << 14) | (1 << 15)  # execute, write, read, truncate, ioctl_dev: rights a file rule may hold
-LL_FS_READ = 1 | 4 | 8  # execute, read file, read dir
-MB = 1 << 20
-LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def _sys(ret, what):
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return ret
-
-
-# ---- isolation steps of one call ------------------------------------------------------------------------------
-def _mount(source, target, fstype, flags, data=None):
-    enc = (lambda v: v.encode() if isinstance(v, str) else v)
-    _sys(LIBC.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
-
-
-def _call_namespaces(spec):
-    """bwrap mode, in the child (already pid 1 of its own pid namespace): private mounts, network, IPC."""
-    _sys(LIBC.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC), "unshare")
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    # interpreter folders under a per-call mount (a venv under /tmp): held open (in this mount namespace: a bind
-    # source must be in it) before the tmpfs covers them, bound again on top of it
-    rebinds = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in spec["rebind"]]
-    size = f"size={spec['workdir_mb'] * MB},mode=1777"
-    for target in spec["call_mounts"]:
-        _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, size)
-    for path, fd in rebinds:
-        os.makedirs(path, exist_ok=True)
-        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        os.close(fd)
-    _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    _loopback_up()
-
-
-def _loopback_up():
-    """Bring `lo` up in the call's network namespace (code may talk to itself, never to the host)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        ifreq = struct.pack("16sh22x", b"lo", 0)
-        flags = struct.unpack("16sh22x", _ioctl(sock.fileno(), 0x8913, ifreq))[1]  # SIOCGIFFLAGS
-        _ioctl(sock.fileno(), 0x8914, struct.pack("16sh22x", b"lo", flags | 1))  # SIOCSIFFLAGS, IFF_UP
-
-
-def _ioctl(fd, request, arg):
-    buf = ctypes.create_string_buffer(arg, len(arg))
-    _sys(LIBC.ioctl(fd, ctypes.c_ulong(request), buf), "ioctl")
-    return buf.raw
-
-
-def _try_unshare_network():
-    """rlimit mode: a network and IPC namespace of the call's own where the kernel allows it (without root, in a
-    user namespace of its own, which also gives the call its own process count)."""
-    if os.geteuid() == 0:
-        return "isolated" if LIBC.unshare(CLONE_NEWNET | CLONE_NEWIPC) == 0 else "open"
-    uid, gid = os.getuid(), os.getgid()
-    if LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC) != 0:
-        return "open"
-    _map_ids(uid, gid)
-    return "isolated"
-
-
-def _own_user_namespace():
-    """Without root: a user namespace of the call's own. The kernel counts processes per user namespace and uid
-    (checked up the chain against each creator's limit), so max_processes becomes this call's alone, as a fresh
-    uid gives it as root. Its capabilities there are dropped right after."""
-    uid, gid = os.getuid(), os.getgid()
-    _sys(LIBC.unshare(CLONE_NEWUSER), "unshare user namespace")
-    _map_ids(uid, gid)
-
-
-def _map_ids(uid, gid):
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-        with open(f"/proc/self/{name}", "w") as handle:
-            handle.write(text)
-
-
-def _drop_capabilities():
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    data = (ctypes.c_uint32 * 6)()
-    _sys(LIBC.capset(header, data), "capset")
-
-
-def _become(uid):
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)  # from root to non-root: every capability is cleared
-
-
-def _landlock_abi():
-    return max(0, LIBC.syscall(ctypes.c_long(SYS_LANDLOCK[0]), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
-
-
-def _landlock_ruleset(abi, reads, writes):
-    """A Landlock ruleset (fd) for the rlimit mode: read+execute `reads`, everything in `writes`, no other file
-    access; no TCP bind/connect (ABI >= 4); no signals or abstract unix sockets outside the call (ABI >= 6)."""
-    fs_all = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
-    attr = struct.pack("QQQ", fs_all, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)[: 8 if abi < 4 else 16 if abi < 6 else 24]
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    ruleset = _sys(LIBC.syscall(ctypes.c_long(SYS_LANDLOCK[0]), buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0)),
-                   "landlock_create_ruleset")
-    for path, access in [(p, LL_FS_READ) for p in reads] + [(p, fs_all) for p in writes]:
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            allowed = access & fs_all & (-1 if stat.S_ISDIR(os.fstat(fd).st_mode) else LL_FS_FILE)
-            rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
-            _sys(LIBC.syscall(ctypes.c_long(SYS_LANDLOCK[1]), ruleset, ctypes.c_int(1), rule, ctypes.c_uint32(0)),
-                 f"landlock_add_rule {path}")
-        finally:
-            os.close(fd)
-    return ruleset
-
-
-def _no_new_privs():
-    _sys(LIBC.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)),
-         "no_new_privs")
 
 
 def _vm_bytes():
@@ -234,48 +123,21 @@ def _run(code):
 
 
 def _child(zygote, request, fds):
-    """The call: isolate, drop privileges, limit, report, run. Never returns."""
+    """The call: isolate, drop privileges, limit, report its isolation facts, run. Never returns."""
     spec = zygote.spec
-    code_fd, out_fd, err_fd, status_fd = fds
-    code = os.pread(code_fd, os.fstat(code_fd).st_size, 0).decode("utf-8", "surrogatepass")
-    facts = {"preload_failed": zygote.failed, "uid_drop": False}
-    uid, root = request.get("uid"), os.geteuid() == 0
-    ruleset = None
-    LIBC.prctl(PR_SET_DUMPABLE, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    if spec["mode"] == "bwrap":  # (the zygote is not dumpable; a child must own its /proc/self to map its ids)
-        _call_namespaces(spec)
+    code = os.pread(fds[0], os.fstat(fds[0]).st_size, 0).decode("utf-8", "surrogatepass")
+    prctl(PR_SET_DUMPABLE, 1)  # the zygote is not dumpable; a child must own its /proc/self to map its ids
+    if spec["mode"] == "bwrap":
+        call_namespaces(spec)
     null = os.open("/dev/null", os.O_RDONLY)
-    for low, fd in enumerate((null, out_fd, err_fd, status_fd)):
+    for low, fd in enumerate((null, *fds[1:])):  # stdin, stdout, stderr, status
         os.dup2(fd, low)
     _close_from(4)
-    if spec["mode"] == "bwrap":
-        facts["network"] = "isolated"
-        workdir = spec["sandbox_dir"]
-        limits = _limits(spec["limits"], 0)  # a uid (root) or a user namespace (below) of its own
-    else:
-        os.setsid()
-        facts["network"] = _try_unshare_network()
-        workdir = request["workdir"]
-        os.chdir(workdir)  # before the uid drop: the host's temp folder above it may be closed to the call's uid
-        own_count = (root and uid is not None) or facts["network"] == "isolated"  # own uid or user namespace
-        limits = _limits(spec["limits"], 0 if own_count else request.get("tasks", 0))
-        if zygote.landlock_abi:
-            ruleset = _landlock_ruleset(zygote.landlock_abi, spec["landlock_reads"], [workdir])
-    if root and uid is not None:
-        _become(uid)
-        facts["uid_drop"] = True
-    elif spec["mode"] == "bwrap":
-        _own_user_namespace()
-        _drop_capabilities()
-    _no_new_privs()
-    if ruleset is not None:
-        _sys(LIBC.syscall(ctypes.c_long(SYS_LANDLOCK[2]), ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")
-        os.close(ruleset)
-        facts["network"] = "tcp-blocked" if facts["network"] == "open" and zygote.landlock_abi >= 4 else facts["network"]
-    facts["landlock"] = zygote.landlock_abi if ruleset is not None else 0
-    LIBC.prctl(PR_SET_DUMPABLE, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    if spec["mode"] == "bwrap":
-        os.chdir(workdir)
+    isolate = _isolate_bwrap if spec["mode"] == "bwrap" else _isolate_rlimit
+    facts, limits, workdir = isolate(zygote, request)
+    facts["preload_failed"] = zygote.failed
+    prctl(PR_SET_DUMPABLE, 1)  # again: a uid change resets it
+    os.chdir(workdir)
     for name in ("HOME", "TMPDIR"):
         os.environ[name] = workdir
     if "tempfile" in sys.modules:
@@ -291,6 +153,40 @@ def _child(zygote, request, fds):
         except Exception:  # noqa: BLE001, S110 - e.g. the file-size limit was hit; the traceback says so
             pass
     os._exit(rc & 0xFF)
+
+
+def _isolate_bwrap(zygote, request):
+    """Namespaces are in place (_call_namespaces): drop to the call's uid (root) or own user namespace."""
+    uid = request.get("uid")
+    limits = _limits(zygote.spec["limits"], 0)  # the call has a uid (root) or a user namespace of its own
+    if os.geteuid() == 0 and uid is not None:
+        become(uid)
+    else:
+        own_user_namespace()
+        drop_capabilities()
+    no_new_privs()
+    return {"network": "isolated", "uid_drop": uid is not None, "landlock": 0}, limits, zygote.spec["sandbox_dir"]
+
+
+def _isolate_rlimit(zygote, request):
+    """No bubblewrap: a session and (where allowed) network namespace of its own, the call's uid as root,
+    no_new_privs, then Landlock (where the kernel has it) over what bwrap would show."""
+    uid, workdir = request.get("uid"), request["workdir"]
+    own_uid = os.geteuid() == 0 and uid is not None
+    os.setsid()
+    network = try_unshare_network()
+    os.chdir(workdir)  # before the uid drop: the host's temp folder above it may be closed to the call's uid
+    limits = _limits(zygote.spec["limits"], 0 if own_uid or network == "isolated" else request.get("tasks", 0))
+    abi = zygote.landlock_abi
+    ruleset = landlock_ruleset(abi, zygote.spec["landlock_reads"], [workdir]) if abi else None
+    if own_uid:
+        become(uid)
+    no_new_privs()
+    if ruleset is not None:
+        checked(LIBC.syscall(ctypes.c_long(SYS_LANDLOCK[2]), ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")
+        os.close(ruleset)
+        network = "tcp-blocked" if network == "open" and abi >= 4 else network
+    return {"network": network, "uid_drop": own_uid, "landlock": abi}, limits, workdir
 
 
 def _close_from(low):
@@ -310,7 +206,7 @@ class Zygote:
             except Exception:  # noqa: BLE001 - a missing optional module must not stop the sandbox
                 self.failed.append(name)
         self.generators = self._generators()
-        self.landlock_abi = _landlock_abi() if spec["mode"] == "rlimit" and spec["landlock"] else 0
+        self.landlock_abi = landlock_abi() if spec["mode"] == "rlimit" and spec["landlock"] else 0
         self.calls = {}  # pid -> [pidfd, deadline, status fd, start]
         self.own_pid_ns = None
         gc.collect()
@@ -327,6 +223,7 @@ class Zygote:
     def serve(self):
         if self.spec["mode"] == "bwrap":
             self._own_pid_namespace()
+        prctl(PR_SET_DUMPABLE, 0)  # no call running under our uid (rlimit mode without root) may ptrace us
         self.control.send(json.dumps({"ready": True, "preload_failed": self.failed,
                                       "landlock": self.landlock_abi}).encode())
         poller = select.poll()
@@ -346,22 +243,19 @@ class Zygote:
     def _own_pid_namespace(self):
         """Become pid 1 of a pid namespace owned by our user namespace: bubblewrap's own may belong to the host's,
         where we could not switch back after creating a call's namespace."""
-        _sys(LIBC.unshare(CLONE_NEWPID), "unshare pid namespace")
+        checked(LIBC.unshare(CLONE_NEWPID), "unshare pid namespace")
         pid = os.fork()
         if pid:
             self.control.close()
             _, status = os.waitpid(pid, 0)
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
-        LIBC.prctl(PR_SET_DUMPABLE, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
     def _accept(self, poller):
         try:
             message, fds, _, _ = socket.recv_fds(self.control, 65536, 8)
         except OSError as err:
-            if err.errno in (errno.EINTR, errno.EAGAIN):
-                return True
-            return False
+            return err.errno in (errno.EINTR, errno.EAGAIN)
         if not message:
             return False
         request = json.loads(message)
@@ -384,12 +278,12 @@ class Zygote:
     def _fork(self, request, fds):
         bwrap = self.spec["mode"] == "bwrap"
         if bwrap:  # the next child is pid 1 of a new pid namespace; undone right after the fork
-            _sys(LIBC.unshare(CLONE_NEWPID), "unshare pid namespace")
+            checked(LIBC.unshare(CLONE_NEWPID), "unshare pid namespace")
         try:
             pid = os.fork()
         except OSError:
             if bwrap:
-                _sys(LIBC.setns(self.own_pid_ns, CLONE_NEWPID), "setns")
+                checked(LIBC.setns(self.own_pid_ns, CLONE_NEWPID), "setns")
             raise
         if pid == 0:
             try:
@@ -402,7 +296,7 @@ class Zygote:
                     os.write(2, note)  # already moved to 2
             os._exit(125)
         if bwrap:
-            _sys(LIBC.setns(self.own_pid_ns, CLONE_NEWPID), "setns")
+            checked(LIBC.setns(self.own_pid_ns, CLONE_NEWPID), "setns")
         return pid
 
     def _reap(self, pidfd, poller):

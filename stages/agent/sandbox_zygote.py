@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.agent import sandbox_runner
+from stages.agent import sandbox_isolation, sandbox_runner
 from stages.agent.sandbox_spec import (
     CALL_MOUNTS,
     SANDBOX_DIR,
@@ -32,7 +32,8 @@ from stages.agent.sandbox_spec import (
     landlock_reads,
 )
 
-RUNNER_SOURCE = Path(sandbox_runner.__file__).read_text(encoding="utf-8")
+# one program for `python -c` (the sandbox sees no project files): the isolation steps, then the zygote
+RUNNER_SOURCE = "\n".join(Path(m.__file__).read_text(encoding="utf-8") for m in (sandbox_isolation, sandbox_runner))
 ANSWER_GRACE_S = 10.0  # beyond the call's own timeout, which the zygote enforces, before the host gives up on it
 
 

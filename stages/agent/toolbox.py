@@ -54,8 +54,8 @@ MISS_MESSAGE = "No recorded search result for this query."
 SEARCH_FAILED = "The search tool failed for this query. Try again later or continue without it."
 TOOL_FAILED = "The {tool} tool failed on this input ({error}). Continue without it or try different input."
 _SURROGATE = re.compile("[\ud800-\udfff]")
-SANDBOX_MODULES = ("stages.agent.sandbox", "stages.agent.sandbox_os", "stages.agent.sandbox_runner",
-                   "stages.agent.sandbox_spec", "stages.agent.sandbox_zygote")
+SANDBOX_MODULES = ("stages.agent.sandbox", "stages.agent.sandbox_isolation", "stages.agent.sandbox_os",
+                   "stages.agent.sandbox_runner", "stages.agent.sandbox_spec", "stages.agent.sandbox_zygote")
 
 
 def valid_text(text: str) -> str:
@@ -191,7 +191,7 @@ class ToolBox:
         else:
             try:
                 result = self._cached_or_run(call.tool, argument, state, start)
-            except Exception as err:  # noqa: BLE001 - a rollout must survive any input; the log keeps the bug
+            except Exception as err:  # a rollout must survive any input; the log keeps the bug
                 log.exception("%s tool failed on a %d-character argument", call.tool, len(argument))
                 result = ToolResult(call.tool, TOOL_FAILED.format(tool=call.tool, error=type(err).__name__), False,
                                     time.monotonic() - start, False, {"error": repr(err), "internal_error": True})

@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 
 from stages.agent.sandbox import PythonSandbox, probe_bwrap, resolve_mode
-from stages.agent.sandbox_os import UID_SPAN, SandboxUnavailable, UidAllocator, interpreter_paths
+from stages.agent.sandbox_os import (
+    UID_SPAN,
+    SandboxUnavailable,
+    UidAllocator,
+    interpreter_paths,
+)
 from stages.core.config.agent import AgentSection, PythonToolSection
 from stages.core.env import PROJECT_ROOT
 from tests.unit.agent_support import require_bwrap
@@ -135,7 +140,8 @@ def _non_root_problem() -> str | None:
     if not Path("/usr/bin/python3").exists():
         return "/usr/bin/python3 (an interpreter an ordinary user can run) is missing"
     probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bwrap",
-                            "--unshare-user", "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
+                            "--unshare-user", "--ro-bind", "/", "/", "true"], capture_output=True, text=True,
+                           check=False)
     if probe.returncode != 0:
         return f"unprivileged user namespaces are off here: {probe.stderr.strip()}"
     return None
@@ -150,13 +156,14 @@ def test_non_root_calls_get_their_own_user_namespace():
         (package / "stages" / "agent").mkdir(parents=True)
         for init in ("stages/__init__.py", "stages/agent/__init__.py"):
             (package / init).write_text("")
-        for name in ("sandbox_os", "sandbox_runner", "sandbox_spec", "sandbox_zygote"):
+        for name in ("sandbox_isolation", "sandbox_os", "sandbox_runner", "sandbox_spec", "sandbox_zygote"):
             shutil.copy(PROJECT_ROOT / "stages" / "agent" / f"{name}.py", package / "stages" / "agent")
         for path in [package, *package.rglob("*")]:
             path.chmod(0o755)
         done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
                                "-c", NON_ROOT_SCRIPT], cwd=package, env={"PATH": "/usr/bin:/bin",
-                               "PYTHONPATH": str(package)}, capture_output=True, text=True, timeout=300)
+                               "PYTHONPATH": str(package)}, capture_output=True, text=True, timeout=300,
+                              check=False)
     finally:
         shutil.rmtree(package)
     assert done.returncode == 0, done.stderr[-3000:]
