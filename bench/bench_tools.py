@@ -71,6 +71,37 @@ def concurrently(call, code: str, callers: int, calls: int) -> list[float]:
         return list(pool.map(lambda _: timed(call, code), range(calls)))
 
 
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of `root` and every process below it, reaped children included (the sandbox's warm parent
+    and the calls it forked)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stats[int(entry)] = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    for pid, fields in stats.items():
+        children[int(fields[1])].append(pid)
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in stats:
+            total += sum(int(x) for x in stats[pid][11:15])  # utime stime cutime cstime
+            stack += children[pid]
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_call(box, run, code: str, calls: int) -> float:
+    """CPU seconds per call: the sandbox's processes plus this (host) process."""
+    root = box._parent._zygote.proc.pid
+    sandbox0, host0 = tree_cpu_s(root), time.process_time()
+    for _ in range(calls):
+        run(code)
+    return (tree_cpu_s(root) - sandbox0 + time.process_time() - host0) / calls
+
+
 def naive_call(code: str) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
@@ -117,6 +148,9 @@ def bench_python(repeats: int, callers: int, calls: int) -> None:
                 print(row(f"sandbox {mode}, 1 caller", [timed(run, code) for _ in range(repeats)], base_alone))
                 print(mean_row(f"sandbox {mode}, {callers} callers", concurrently(run, code, callers, calls),
                                base_loaded, base_alone))
+                cpu = cpu_per_call(box, run, code, repeats)
+                print(f"  {'':<40} CPU per call {cpu * 1000:.1f} ms (sandbox processes + host): on an idle machine "
+                      f"{callers} callers on {os.cpu_count()} cores would wait about {callers * cpu / os.cpu_count() * 1000:.0f} ms")
             agent = AgentSection(python=PythonToolSection(seed=0), cache={"tools": ["search", "python"]})
             print(row("ToolBox cache hit (seeded python)", cached_toolbox_times(agent, code, repeats), base_alone))
     finally:

@@ -23,7 +23,7 @@ from stages.agent.sandbox_os import (
 )
 from stages.core.config.agent import AgentSection, PythonToolSection
 from stages.core.env import PROJECT_ROOT
-from tests.unit.agent_support import require_bwrap
+from tests.unit.agent_support import bwrap_problem, require_bwrap
 
 LIMITS = {"timeout_s": 4.0, "cpu_s": 2, "memory_mb": 256, "max_processes": 16, "max_file_mb": 2, "preload": []}
 
@@ -56,6 +56,18 @@ def test_broken_bwrap_stops_with_its_own_error(fresh_probe, tmp_path, monkeypatc
     with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace") as err:
         PythonSandbox(PythonToolSection(**LIMITS))
     assert "agent.python.sandbox: rlimit" in str(err.value)
+
+
+@pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception), ("", pytest.skip.Exception)])
+def test_unusable_bwrap_fails_security_tests_in_ci(ci, outcome, fresh_probe, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # bubblewrap "not installed"
+    monkeypatch.setenv("CI", ci)
+    bwrap_problem.cache_clear()
+    try:
+        with pytest.raises(outcome, match="bubblewrap is not installed"):
+            require_bwrap()
+    finally:
+        bwrap_problem.cache_clear()
 
 
 def test_rlimit_is_reported(tmp_path, caplog):
