@@ -145,10 +145,14 @@ class WarmParent:
         self._lock = threading.Lock()
         self._closed = False
         self._zygote: _Zygote | None = None
+        self._pid = os.getpid()
         self.restarts = 0
         self._current()
 
     def _current(self) -> _Zygote:
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this PythonSandbox belongs to process {self._pid}; a forked process must create "
+                               "its own (its warm parent and threads did not come along)")
         with self._lock:
             if self._closed:
                 raise RuntimeError("PythonSandbox is closed")
@@ -160,9 +164,19 @@ class WarmParent:
             return self._zygote
 
     def _retire(self, zygote: _Zygote) -> None:
+        """Stop `zygote` unless another thread did already (call with the lock held)."""
         if self._zygote is zygote:
             self._zygote = None
-        self._spawner.submit(zygote.stop)
+            self._on_spawner(zygote.stop, wait=False)
+
+    def _on_spawner(self, fn, wait: bool) -> None:
+        try:
+            future = self._spawner.submit(fn)
+        except RuntimeError:  # interpreter shutdown: executors are closed before atexit handlers run
+            fn()
+            return
+        if wait:
+            future.result()
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._current().wait_ready(time.monotonic() + timeout_s)
@@ -228,7 +242,9 @@ class WarmParent:
             if self._closed:
                 return
             self._closed = True
+            if os.getpid() != self._pid:  # a forked copy: the zygote is the creator's to stop
+                return
             zygote, self._zygote = self._zygote, None
         if zygote is not None:
-            self._spawner.submit(zygote.stop).result()
+            self._on_spawner(zygote.stop, wait=True)
         self._spawner.shutdown(wait=True)
