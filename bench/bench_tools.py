@@ -1,12 +1,13 @@
 """Tool latency, each figure as a ratio against a baseline measured in the same run.
 
-    .venv/bin/python bench/bench_tools.py [--repeats 10] [--queries 300]
+    .venv/bin/python bench/bench_tools.py [--repeats 10] [--callers 8] [--concurrent-calls 32] [--queries 300]
 
 1. python tool, two snippets (trivial; numpy + sympy). Baseline: a naive `python -c <code>` subprocess (what
-   the reference does, no isolation). Measured: the sandbox (bubblewrap when it works here, else the rlimit
-   fallback, and the fallback explicitly) cold (pool_size 0: a fresh interpreter per call, imports included)
-   and warm (pool_size 2, each call taken from a pool that had time to pre-start; the wait is not timed),
-   plus a ToolBox call answered from the SQLite tool cache.
+   the reference does, no isolation), one caller at a time (p50) and `--callers` threads calling back to back
+   (mean latency). Measured the same two ways: the sandbox (bubblewrap, and the rlimit mode), whose warm parent
+   forks every call into fresh namespaces; plus a ToolBox call answered from the SQLite tool cache. The
+   headline ratio is the sandbox's mean latency under `--callers` concurrent callers against the naive
+   subprocess's under the same load (and, stricter, against the naive subprocess with the machine to itself).
 2. BM25 over the passages of ../shared/data/search_cache.json (every `Page i:` line is a document), queried
    with the file's own keys. Baseline: a plain-Python BM25 (same tokenisation, dict postings, full sort).
    Measured: `BM25Backend.search` one query at a time and `batch_search` per query; index build time.
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,33 +49,62 @@ def pct(values: list[float], q: float) -> float:
 def row(name: str, values: list[float], base: float | None) -> str:
     p50, p95 = pct(values, 0.5), pct(values, 0.95)
     ratio = f"{p50 / base:9.4f}x" if base else "   (base) "
-    return f"  {name:<34} p50 {p50 * 1000:10.3f} ms   p95 {p95 * 1000:10.3f} ms   p50 vs baseline {ratio}"
+    return f"  {name:<40} p50 {p50 * 1000:10.3f} ms   p95 {p95 * 1000:10.3f} ms   p50 vs baseline {ratio}"
 
 
-def naive_python(code: str, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              check=False)
-        times.append(time.perf_counter() - start)
-        assert done.returncode == 0, done.stderr
-    return times
+def mean_row(name: str, values: list[float], base_same_load: float | None, base_alone: float | None) -> str:
+    mean = sum(values) / len(values)
+    ratios = "   (base)" if base_same_load is None else (
+        f"vs naive under the same load {mean / base_same_load:7.4f}x   vs naive alone {mean / base_alone:7.4f}x")
+    return f"  {name:<40} mean {mean * 1000:9.1f} ms   {ratios}"
 
 
-def sandbox_times(cfg, code: str, repeats: int, warm: bool) -> tuple[list[float], str]:
-    from stages.agent.sandbox import PythonSandbox
+def timed(call, code: str) -> float:
+    start = time.perf_counter()
+    call(code)
+    return time.perf_counter() - start
 
-    times = []
-    with PythonSandbox(cfg) as box:
-        for _ in range(repeats):
-            if warm:
-                box.wait_warm(120)
-            start = time.perf_counter()
-            result = box.run(code)
-            times.append(time.perf_counter() - start)
-            assert result.ok, result.text
-        return times, box.mode
+
+def concurrently(call, code: str, callers: int, calls: int) -> list[float]:
+    """Latency of each of `calls` calls made by `callers` threads back to back."""
+    with ThreadPoolExecutor(max_workers=callers) as pool:
+        return list(pool.map(lambda _: timed(call, code), range(calls)))
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of `root` and every process below it, reaped children included (the sandbox's warm parent
+    and the calls it forked)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stats[int(entry)] = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    for pid, fields in stats.items():
+        children[int(fields[1])].append(pid)
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in stats:
+            total += sum(int(x) for x in stats[pid][11:15])  # utime stime cutime cstime
+            stack += children[pid]
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_call(box, run, code: str, calls: int) -> float:
+    """CPU seconds per call: the sandbox's processes plus this (host) process."""
+    root = box._parent._zygote.proc.pid
+    sandbox0, host0 = tree_cpu_s(root), time.process_time()
+    for _ in range(calls):
+        run(code)
+    return (tree_cpu_s(root) - sandbox0 + time.process_time() - host0) / calls
+
+
+def naive_call(code: str) -> None:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 def cached_toolbox_times(agent_cfg, code: str, repeats: int) -> list[float]:
@@ -91,23 +122,40 @@ def cached_toolbox_times(agent_cfg, code: str, repeats: int) -> list[float]:
         return times
 
 
-def bench_python(repeats: int) -> None:
+def bench_python(repeats: int, callers: int, calls: int) -> None:
+    from stages.agent.sandbox import PythonSandbox
     from stages.core.config.agent import AgentSection, PythonToolSection
 
-    print(f"python tool ({repeats} calls each; baseline = naive `python -c` subprocess)")
-    for label, code in SNIPPETS.items():
-        print(f" snippet {label!r}")
-        base_times = naive_python(code, repeats)
-        base = pct(base_times, 0.5)
-        print(row("naive python -c", base_times, None))
-        for mode in ("auto", "rlimit"):
-            cold_cfg = PythonToolSection(sandbox=mode, pool_size=0)
-            cold, used = sandbox_times(cold_cfg, code, repeats, warm=False)
-            print(row(f"sandbox {used} cold", cold, base))
-            warm, used = sandbox_times(cold_cfg.model_copy(update={"pool_size": 2}), code, repeats, warm=True)
-            print(row(f"sandbox {used} warm pool", warm, base))
-        cached = cached_toolbox_times(AgentSection(python=PythonToolSection(pool_size=1)), code, repeats)
-        print(row("ToolBox cache hit", cached, base))
+    print(f"python tool ({repeats} calls alone, {calls} calls by {callers} concurrent callers; "
+          "baseline = naive `python -c` subprocess)")
+    boxes = {mode: PythonSandbox(PythonToolSection(sandbox=mode)) for mode in ("bwrap", "rlimit")}
+    try:
+        for box in boxes.values():
+            assert box.wait_warm(120)
+        for label, code in SNIPPETS.items():
+            print(f" snippet {label!r}")
+            alone = [timed(naive_call, code) for _ in range(repeats)]
+            base_alone = pct(alone, 0.5)
+            print(row("naive python -c, 1 caller", alone, None))
+            loaded = concurrently(naive_call, code, callers, max(callers, calls // 2))
+            base_loaded = sum(loaded) / len(loaded)
+            print(mean_row(f"naive python -c, {callers} callers", loaded, None, None))
+            for mode, box in boxes.items():
+                def run(snippet: str, box=box) -> None:
+                    result = box.run(snippet)
+                    assert result.ok, result.text
+                box.run(code)  # first call of a snippet pays its lazy imports in the warm parent's copy
+                print(row(f"sandbox {mode}, 1 caller", [timed(run, code) for _ in range(repeats)], base_alone))
+                print(mean_row(f"sandbox {mode}, {callers} callers", concurrently(run, code, callers, calls),
+                               base_loaded, base_alone))
+                cpu = cpu_per_call(box, run, code, repeats)
+                print(f"  {'':<40} CPU per call {cpu * 1000:.1f} ms (sandbox processes + host): on an idle machine "
+                      f"{callers} callers on {os.cpu_count()} cores would wait about {callers * cpu / os.cpu_count() * 1000:.0f} ms")
+            agent = AgentSection(python=PythonToolSection(seed=0), cache={"tools": ["search", "python"]})
+            print(row("ToolBox cache hit (seeded python)", cached_toolbox_times(agent, code, repeats), base_alone))
+    finally:
+        for box in boxes.values():
+            box.close()
 
 
 def naive_bm25(docs: list[list[str]]):
@@ -179,12 +227,16 @@ def bench_bm25(n_queries: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--callers", type=int, default=8, help="concurrent callers of the python tool")
+    parser.add_argument("--concurrent-calls", type=int, default=32, help="calls they make in all")
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--skip-python", action="store_true")
+    parser.add_argument("--skip-bm25", action="store_true")
     args = parser.parse_args()
     if not args.skip_python:
-        bench_python(args.repeats)
-    bench_bm25(args.queries)
+        bench_python(args.repeats, args.callers, args.concurrent_calls)
+    if not args.skip_bm25:
+        bench_bm25(args.queries)
     print(f"\nmachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared machine: "
           "absolute times vary, ratios less)")
 

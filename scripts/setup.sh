@@ -15,7 +15,8 @@ if ((${#need_apt[@]})); then
     (apt-get update -qq || true) >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
   else
-    echo "[setup] please install: ${need_apt[*]} (not root; the sandbox falls back to rlimits without bwrap)" >&2
+    echo "[setup] please install: ${need_apt[*]} (not root). Without bubblewrap the python tool stops with the fix;" \
+         "agent.python.sandbox: rlimit opts in to its weaker isolation (docs/agent.md)" >&2
   fi
 fi
 

@@ -32,7 +32,14 @@ CREATE TABLE IF NOT EXISTS results (
 
 
 def cache_key(tool: str, tool_version: str, argument: str, backend: str) -> str:
-    return hashlib.sha256(stable_json([tool, tool_version, argument, backend]).encode()).hexdigest()
+    """sha256 of the parts. `surrogatepass` encodes any Python string, a lone surrogate included, one-to-one."""
+    return hashlib.sha256(stable_json([tool, tool_version, argument, backend]).encode("utf-8", "surrogatepass")
+                          ).hexdigest()
+
+
+def _storable(text: str) -> str:
+    """SQLite stores UTF-8 only: lone surrogates become `\\udxxx` escapes (the column is for people to read)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ToolCache:
@@ -58,15 +65,19 @@ class ToolCache:
                 self.misses += 1
                 return None
             self.hits += 1
-        return json.loads(row[0])
+        value = row[0]
+        return json.loads(value.decode("utf-8", "surrogatepass") if isinstance(value, bytes) else value)
 
     def put(self, tool: str, tool_version: str, argument: str, backend: str, value: dict[str, Any]) -> None:
         key = cache_key(tool, tool_version, argument, backend)
-        payload = json.dumps(value, ensure_ascii=False, default=str)
+        # UTF-8 bytes with surrogatepass: every Python string comes back exactly (JSON's \\u escapes would join a
+        # high and a low surrogate into one character)
+        payload = json.dumps(value, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
         with self._lock:
             self._conn.execute(
                 "INSERT OR REPLACE INTO results (key, tool, tool_version, argument, backend, value, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, tool, tool_version, argument, backend, payload, time.time()))
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (key, tool, _storable(tool_version), _storable(argument), _storable(backend), payload, time.time()))
             self.writes += 1
 
     def __len__(self) -> int:

@@ -1,19 +1,39 @@
-"""Process-level helpers of the python sandbox: interpreter discovery, the bubblewrap probe, waiting for and
-killing interpreters, reading capped output files. Used by stages/agent/sandbox.py."""
+"""Process-level helpers of the python sandbox: interpreter discovery, per-call uids shared safely by every process
+on the machine, sweeping what a call of the rlimit mode left behind, reading capped output. Stdlib only."""
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import json
 import os
-import select
+import random
 import shutil
 import signal
+import stat
 import subprocess
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
 
-from stages.agent.sandbox_spec import InterpreterPaths, bwrap_args, clip_output
+from stages.agent.sandbox_spec import InterpreterPaths, clip_output
+
+UID_SPAN = 100_000
+UID_LOCK_FILE = Path("/tmp/arpo-sandbox-uids.lock")
+SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")
+_PROBE = """
+import json, os, sys
+from importlib import metadata
+names = {}
+for module in sys.argv[1:]:
+    try:
+        dists = metadata.packages_distributions().get(module, [module])
+        names[module] = ",".join(f"{d}=={metadata.version(d)}" for d in sorted(set(dists)))
+    except Exception:
+        names[module] = "missing"
+print(json.dumps([sys.prefix, sys.base_prefix, os.path.realpath(sys.executable), sys.version, names]))
+"""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -21,97 +41,199 @@ class SandboxUnavailable(RuntimeError):
 
 
 @lru_cache(maxsize=8)
-def interpreter_paths(executable: str) -> InterpreterPaths:
-    """Ask the interpreter where it lives (its prefixes and the real path of its binary)."""
-    probe = "import os,sys,json;print(json.dumps([sys.prefix,sys.base_prefix,os.path.realpath(sys.executable)]))"
+def interpreter_paths(executable: str, preload: tuple[str, ...] = ()) -> InterpreterPaths:
+    """Ask the interpreter where it lives (its prefixes, the real path of its binary), its version and the
+    versions of the distributions behind the preloaded modules (they change what code prints)."""
     try:
-        out = subprocess.run([executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60,
-                             check=True)
+        out = subprocess.run([executable, "-I", "-c", _PROBE, *preload], capture_output=True, text=True,
+                             timeout=120, check=True)
     except (OSError, subprocess.SubprocessError) as err:
         raise SandboxUnavailable(f"python interpreter {executable!r} does not run ({err}); "
                                  "set agent.python.python_executable to a working python") from err
-    prefix, base, real = json.loads(out.stdout)
+    prefix, base, real, version, packages = json.loads(out.stdout)
     prefixes = {os.path.realpath(prefix), os.path.realpath(base), os.path.dirname(os.path.dirname(real)), prefix}
-    return InterpreterPaths(executable, tuple(sorted(prefixes)))
+    return InterpreterPaths(executable, tuple(sorted(prefixes)), version, tuple(sorted(packages.items())))
 
 
 def is_root() -> bool:
     return os.geteuid() == 0
 
 
-@lru_cache(maxsize=8)
-def probe_bwrap(executable: str, workdir_mb: int) -> str | None:
-    """None when bubblewrap runs the interpreter here, else the reason it does not."""
-    if shutil.which("bwrap") is None:
-        return "bubblewrap is not installed (apt-get install -y bubblewrap)"
-    args = bwrap_args(interpreter_paths(executable), is_root(), workdir_mb) + [executable, "-I", "-c", "pass"]
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"bwrap failed to start: {err}"
-    return None if done.returncode == 0 else f"bwrap cannot run here: {done.stderr.strip()[-500:]}"
+class UidAllocator:
+    """Per-call uids in [base, base + UID_SPAN), never handed out twice at once on this machine.
+
+    Several processes (Ray workers, parallel stages) may run sandboxes with the same `uid_base`: a POSIX record
+    lock on byte `uid - base` of one root-only file marks a uid as taken across processes, a set within ours
+    (record locks belong to the process). One allocator per process and base (`uid_allocator`), because closing
+    any descriptor of the file would drop all of this process's locks on it.
+    """
+
+    def __init__(self, base: int, lock_file: Path = UID_LOCK_FILE) -> None:
+        self.base = base
+        self._fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        info = os.fstat(self._fd)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode):
+            os.close(self._fd)
+            raise SandboxUnavailable(f"{lock_file} must be a regular file owned by this user, mode 0600; remove it")
+        self._taken: set[int] = set()
+        self._next = random.randrange(UID_SPAN)
+        self._lock = threading.Lock()
+
+    def acquire(self) -> int:
+        with self._lock:
+            for _ in range(UID_SPAN):
+                index, self._next = self._next, (self._next + 1) % UID_SPAN
+                if index in self._taken:
+                    continue
+                try:
+                    fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, index)
+                except OSError:
+                    continue
+                self._taken.add(index)
+                return self.base + index
+        raise RuntimeError(f"all {UID_SPAN} sandbox uids from {self.base} are in use")
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            index = uid - self.base
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, index)
+            self._taken.discard(index)
 
 
-def read_capped(path: Path, limit: int) -> tuple[str, bool]:
-    """Read at most the head and tail of a (possibly huge) output file, as clipped text."""
-    size = path.stat().st_size
+_ALLOCATORS: dict[int, UidAllocator] = {}
+_ALLOCATORS_LOCK = threading.Lock()
+
+
+def uid_allocator(base: int) -> UidAllocator:
+    with _ALLOCATORS_LOCK:
+        if base not in _ALLOCATORS:
+            _ALLOCATORS[base] = UidAllocator(base)
+        return _ALLOCATORS[base]
+
+
+def read_capped(fd: int, limit: int) -> tuple[str, bool, int]:
+    """(text, cut, size): at most the head and tail of a (possibly huge) output memfd, as clipped text."""
+    size = os.fstat(fd).st_size
     window = limit * 4  # bytes: enough for `limit` characters of UTF-8 text
-    with open(path, "rb") as handle:
-        if size <= 2 * window:
-            return clip_output(handle.read().decode("utf-8", "replace"), limit)
-        head = handle.read(window).decode("utf-8", "replace")
-        handle.seek(size - window)
-        tail = handle.read().decode("utf-8", "replace")
+    if size <= 2 * window:
+        text, cut = clip_output(os.pread(fd, size, 0).decode("utf-8", "replace"), limit)
+        return text, cut, size
+    head = os.pread(fd, window, 0).decode("utf-8", "replace")
+    tail = os.pread(fd, window, size - window).decode("utf-8", "replace")
     keep_head, keep_tail = (2 * limit) // 3, limit // 3
-    return f"{head[:keep_head]}\n... [output of {size} bytes; the middle is cut] ...\n{tail[-keep_tail:]}", True
+    return f"{head[:keep_head]}\n... [output of {size} bytes; the middle is cut] ...\n{tail[-keep_tail:]}", True, size
 
 
-def wait_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for `proc` to exit; True if it did within `timeout_s`. A pidfd wakes us the moment it exits
-    (Popen.wait(timeout) polls with sleeps of up to 50 ms)."""
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
+def processes_of(uid: int) -> list[int]:
+    """Live (not zombie) processes whose real uid is `uid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            proc.wait(timeout=timeout_s)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        exited = bool(poller.poll(max(0, int(timeout_s * 1000))))
-    finally:
-        os.close(pidfd)
-    if exited:
-        proc.wait()
-    return exited
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines()
+                          if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
+                found.append(int(entry))
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
 
 
-def signal_of(rc: int | None, mode: str) -> int:
-    """The signal that ended the interpreter, from its exit status (bwrap reports 128+signal)."""
-    if rc is None:
-        return 0
-    if rc < 0:
-        return -rc
-    return rc - 128 if mode == "bwrap" and 128 < rc < 128 + 65 else 0
-
-
-def kill_uid(uid: int) -> None:
-    """SIGKILL every process owned by `uid` (the fallback's per-call uid), until none is left."""
-    for _ in range(50):
-        found = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+def tasks_of(uid: int) -> int:
+    """Processes plus threads whose real uid is `uid`: what the kernel compares with RLIMIT_NPROC."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/status") as handle:
-                    owner = next((int(line.split()[1]) for line in handle if line.startswith("Uid:")), None)
-                if owner == uid:
-                    found = True
-                    os.kill(int(entry), signal.SIGKILL)
-            except (OSError, ValueError):
+                fields = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines()
+                              if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    total += int(fields["Threads"])
+            except (OSError, ValueError, KeyError):
                 continue
-        if not found:
+    return total
+
+
+def kill_uid(uid: int, settle_s: float = 0.02) -> None:
+    """End every process owned by `uid` (a call's own uid in the rlimit mode). Stop them all first, until two
+    scans in a row find no running one (a stopped process cannot fork, so none is born behind the scan), then
+    SIGKILL the lot and wait until none is left."""
+    if not processes_of(uid):
+        return  # nothing alive can fork: nothing can appear later either
+    stable = 0
+    for _ in range(100):
+        running = [pid for pid in processes_of(uid) if not _stopped(pid)]
+        for pid in running:
+            _signal(pid, signal.SIGSTOP)
+        stable = 0 if running else stable + 1
+        if stable >= 2:
+            break
+        time.sleep(settle_s)
+    for _ in range(100):
+        pids = processes_of(uid)
+        if not pids:
             return
-        time.sleep(0.02)
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        time.sleep(settle_s)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return True
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+
+
+def remove_files_of(uid: int, roots: tuple[str, ...] = SHARED_TEMP_DIRS) -> int:
+    """Delete what `uid` created in the shared temp folders, so the next call cannot read it. Only folders the
+    uid could write to are searched (world-writable ones and its own), which keeps this to a few ms."""
+    removed = 0
+    stack = [r for r in roots if os.path.isdir(r)]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_uid == uid:
+                if stat.S_ISDIR(info.st_mode):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    Path(entry.path).unlink(missing_ok=True)
+                removed += 1
+            elif stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IWOTH:
+                stack.append(entry.path)
+    return removed + _remove_sysv_ipc_of(uid)
+
+
+def _remove_sysv_ipc_of(uid: int) -> int:
+    """SysV shared memory, semaphores and message queues outlive their process: remove those owned by `uid`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    removers = {"shm": lambda i: libc.shmctl(i, 0, None), "sem": lambda i: libc.semctl(i, 0, 0),
+                "msg": lambda i: libc.msgctl(i, 0, None)}  # IPC_RMID = 0
+    removed = 0
+    for kind, remove in removers.items():
+        try:
+            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        except OSError:
+            continue
+        header = lines[0].split() if lines else []
+        for line in lines[1:]:
+            row = dict(zip(header, line.split()))
+            if row.get("uid") == str(uid):
+                removed += remove(int(row[{"shm": "shmid", "sem": "semid", "msg": "msqid"}[kind]])) == 0
+    return removed

@@ -8,12 +8,16 @@
 Over a per-tool or total limit, on an empty argument, a repeated search query or an unavailable tool, the
 call is not run and `result.text` says why (the model reads it inside <result>); `result.meta["rejected"]`
 names the reason. Successful results of the tools in `agent.cache.tools` are cached in SQLite.
+
+Whatever text the model wrote, `execute` returns a ToolResult and never raises: lone surrogates (which JSON
+decoders produce from `"\\ud800"`) become U+FFFD before any tool sees the argument, and an unexpected failure of
+a tool comes back as a tool error (logged with its traceback, counted as `internal_errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
+import re
 import threading
 import time
 from collections import defaultdict
@@ -43,9 +47,20 @@ from stages.agent.search import (
 )
 from stages.core.config.agent import AgentSection
 from stages.core.fingerprint import code_version, hash_value
+from stages.core.log import get_logger
 
+log = get_logger(__name__)
 MISS_MESSAGE = "No recorded search result for this query."
 SEARCH_FAILED = "The search tool failed for this query. Try again later or continue without it."
+TOOL_FAILED = "The {tool} tool failed on this input ({error}). Continue without it or try different input."
+_SURROGATE = re.compile("[\ud800-\udfff]")
+SANDBOX_MODULES = ("stages.agent.sandbox", "stages.agent.sandbox_isolation", "stages.agent.sandbox_os",
+                   "stages.agent.sandbox_runner", "stages.agent.sandbox_spec", "stages.agent.sandbox_zygote")
+
+
+def valid_text(text: str) -> str:
+    """`text` as valid Unicode: each lone surrogate (not encodable as UTF-8) becomes U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 @dataclass
@@ -116,16 +131,17 @@ class ToolBox:
         return hash_value(code_version(*modules), s.top_k, s.max_chars_per_passage)
 
     def _python_version(self) -> str:
+        """The sandbox's code and everything that changes what a call prints: the isolation mode actually in use
+        (a host file readable under rlimit is not under bwrap), limits, seed, preloads, interpreter and its
+        package versions (PythonSandbox.identity)."""
         if self.sandbox is None:
             return ""
-        py = self.cfg.python.model_dump(exclude={"pool_size", "startup_timeout_s", "sandbox", "uid_base"})
-        return hash_value(code_version("stages.agent.sandbox_runner", "stages.agent.sandbox_spec"), py,
-                          self.sandbox.executable, sys.version)
+        return hash_value(code_version(*SANDBOX_MODULES), self.sandbox.identity())
 
     def _backend_id(self, tool: str) -> str:
         if tool == "search" and self.search is not None:
             return f"{self.search.name}:{self.search.corpus_id}"
-        return f"sandbox:{self.sandbox.executable}" if self.sandbox else ""
+        return f"sandbox:{self.sandbox.mode}:{self.sandbox.executable}" if self.sandbox else ""
 
     # ---- admission: limits, empty arguments, repeats (under the lock: states may be shared) -----------------
     def _admit(self, call: ToolCall, state: CallState) -> tuple[str | None, str]:
@@ -166,13 +182,19 @@ class ToolBox:
     # ---- running -----------------------------------------------------------------------------------------
     def execute(self, call: ToolCall, state: CallState) -> ToolResult:
         start = time.monotonic()
+        call = ToolCall(call.tool, valid_text(call.argument))
         with self._lock:
             reason, argument = self._admit(call, state)
         if reason is not None:
             result = ToolResult(call.tool, self._rejection_text(reason, call.tool), False,
                                 time.monotonic() - start, False, {"rejected": reason})
         else:
-            result = self._cached_or_run(call.tool, argument, state, start)
+            try:
+                result = self._cached_or_run(call.tool, argument, state, start)
+            except Exception as err:  # a rollout must survive any input; the log keeps the bug
+                log.exception("%s tool failed on a %d-character argument", call.tool, len(argument))
+                result = ToolResult(call.tool, TOOL_FAILED.format(tool=call.tool, error=type(err).__name__), False,
+                                    time.monotonic() - start, False, {"error": repr(err), "internal_error": True})
         self._record(result)
         return result
 
@@ -233,6 +255,7 @@ class ToolBox:
                 stats[f"{prefix}latency_sum_s"] += result.latency_s
                 stats[f"{prefix}latency_max_s"] = max(stats[f"{prefix}latency_max_s"], result.latency_s)
             stats["search_misses"] += bool(result.meta.get("miss"))
+            stats["internal_errors"] += bool(result.meta.get("internal_error"))
 
     def metrics(self) -> dict[str, float]:
         """calls, errors, rejections, latency mean/max (overall and per tool), cache hits/misses."""

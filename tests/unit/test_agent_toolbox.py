@@ -16,10 +16,11 @@ from stages.agent.protocol import (
 )
 from stages.agent.toolbox import MISS_MESSAGE, CallState, ToolBox
 from stages.core.config.agent import AgentSection
+from tests.unit.agent_support import require_bwrap
 from tests.unit.test_agent_inference import fake_openai
 from tests.unit.test_agent_search import DOCS, serve_in_thread
 
-PYTHON = {"pool_size": 1, "preload": [], "timeout_s": 10.0, "cpu_s": 5, "memory_mb": 256}
+PYTHON = {"preload": [], "timeout_s": 10.0, "cpu_s": 5, "memory_mb": 256}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_branch_copy_is_independent():
 
 
 def test_cache_shared_between_toolboxes(corpus, tmp_path):
-    cfg = _config()
+    cfg = _config(python={**PYTHON, "seed": 0}, cache={"tools": ["search", "python"]})  # python: only when seeded
     with ToolBox.from_config(cfg, str(corpus), str(tmp_path)) as first:
         assert not first.execute(ToolCall("search", "domestic cat"), first.new_state()).cached
         assert not first.execute(ToolCall("python", "print(6 * 7)"), first.new_state()).cached
@@ -93,6 +94,34 @@ def test_cache_shared_between_toolboxes(corpus, tmp_path):
         # two hits, one miss (1/0 was never stored: failures are not cached)
         assert (metrics["cache_hits"], metrics["cache_misses"]) == (2.0, 1.0)
         assert (metrics["calls"], metrics["errors"], metrics["python_calls"]) == (3.0, 1.0, 2.0)
+
+
+def test_python_not_cached_by_default(corpus, tmp_path):
+    # RL and sampled evaluation: random draws must differ between trajectories, so python results are not replayed
+    code = ToolCall("python", "import random\nprint(random.random())")
+    with ToolBox.from_config(_config(), str(corpus), str(tmp_path)) as box:
+        first, second = box.execute(code, box.new_state()), box.execute(code, box.new_state())
+        search = [box.execute(ToolCall("search", "Westfield"), box.new_state()).cached for _ in range(2)]
+    assert not first.cached and not second.cached and first.text != second.text
+    assert search == [False, True]  # search stays cached
+
+
+def test_python_cache_key_includes_the_isolation(corpus, tmp_path):
+    """A result computed under rlimit (which can read what bwrap hides) is never served to a bwrap toolbox."""
+    require_bwrap()
+    shared = {"tools": ["search", "python"], "path": str(tmp_path / "tools.sqlite")}
+    code = ToolCall("python", "print(40 + 2)")
+    loose_cfg = _config(python={**PYTHON, "seed": 0, "sandbox": "rlimit"}, cache=shared)
+    strict_cfg = _config(python={**PYTHON, "seed": 0, "sandbox": "bwrap"}, cache=shared)
+    with ToolBox.from_config(loose_cfg, str(corpus), str(tmp_path), tools=("python",)) as loose:
+        assert not loose.execute(code, loose.new_state()).cached
+        assert loose.execute(code, loose.new_state()).cached
+    with ToolBox.from_config(strict_cfg, str(corpus), str(tmp_path), tools=("python",)) as strict:
+        result = strict.execute(code, strict.new_state())
+        assert not result.cached and result.meta["sandbox"] == "bwrap" and result.text == "42"
+    limits_cfg = _config(python={**PYTHON, "seed": 0, "sandbox": "rlimit", "memory_mb": 300}, cache=shared)
+    with ToolBox.from_config(limits_cfg, str(corpus), str(tmp_path), tools=("python",)) as other_limits:
+        assert not other_limits.execute(code, other_limits.new_state()).cached
 
 
 def test_execute_many_keeps_order_and_counts(box):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from stages.core.config.section import Section
 
@@ -11,26 +11,32 @@ class PythonToolSection(Section):
     """Limits of the python sandbox that runs model-written code (stages/agent/sandbox.py)."""
 
     sandbox: Literal["auto", "bwrap", "rlimit"] = Field(
-        "auto", description="auto = bubblewrap when installed and working, else the rlimit fallback")
+        "auto", description="auto/bwrap = bubblewrap; when it cannot run, the sandbox stops with the reason and "
+        "the fix (never a silent fallback). rlimit = the weaker mode without namespaces, only by this explicit "
+        "choice (docs/agent.md lists what it does not contain)")
     python_executable: str | None = Field(
         None, description="interpreter that runs the code (needs numpy and sympy); None = the pipeline's own")
     preload: list[str] = Field(
         default_factory=lambda: ["numpy", "sympy"],
         description="modules imported before the code arrives (warm interpreters); imports of them are free")
     timeout_s: float = Field(10.0, gt=0, description="wall-clock limit per call")
-    startup_timeout_s: float = Field(60.0, gt=0, description="wait for an interpreter to finish its preloads")
+    startup_timeout_s: float = Field(60.0, gt=0, description="wait for the warm parent to finish its preloads")
     cpu_s: int = Field(10, gt=0, description="CPU seconds for the code (RLIMIT_CPU, beyond the preloads)")
     memory_mb: int = Field(1024, gt=0, description="address space for the code (RLIMIT_AS, beyond the preloads)")
     max_processes: int = Field(32, gt=0, description="processes+threads (RLIMIT_NPROC, counted per sandbox)")
     max_file_mb: int = Field(16, gt=0, description="largest file the code may write, stdout included")
     max_open_files: int = Field(64, gt=0)
-    workdir_mb: int = Field(64, gt=0, description="size of the sandbox's tmpfs working dir and /tmp (bwrap)")
+    workdir_mb: int = Field(64, gt=0, description="size of each call's tmpfs working dir, /tmp and /dev/shm (bwrap)")
     max_output_chars: int = Field(4000, gt=0, description="stdout/stderr kept per call (head and tail)")
     max_code_chars: int = Field(100_000, gt=0, description="longer code is refused without running")
-    pool_size: int = Field(2, ge=0, description="pre-started interpreters; 0 = cold start per call")
+    seed: int | None = Field(
+        None, description="None = every call starts its random generators (random, numpy) from fresh entropy, as "
+        "a new interpreter would; an int = every call starts them, and str hashing, from this seed, so the same "
+        "code prints the same output on every run (required to cache python results: agent.cache.tools)")
     uid_base: int = Field(
         1_800_000_000, ge=1000,
-        description="when the pipeline runs as root, each call drops to a fresh uid in [uid_base, uid_base+100000)")
+        description="when the pipeline runs as root, each call runs as its own uid in [uid_base, uid_base+100000), "
+        "never used by two calls at once on the machine")
 
 
 class WebSearchSection(Section):
@@ -72,7 +78,10 @@ class ToolCacheSection(Section):
     enabled: bool = True
     path: str | None = Field(None, description="SQLite file; None = <cache_root>/tool_cache.sqlite")
     tools: list[Literal["search", "python"]] = Field(
-        default_factory=lambda: ["search", "python"], description="tools whose successful results are cached")
+        default_factory=lambda: ["search"],
+        description="tools whose successful results are cached. python only with agent.python.seed set: without "
+        "it, random/time outputs would repeat across trajectories and samples; even with it, code that reads the "
+        "clock or the OS's entropy is replayed, so keep it off for RL and sampled evaluation")
 
 
 class InferenceToolsSection(Section):
@@ -103,3 +112,12 @@ class AgentSection(Section):
     cache: ToolCacheSection = ToolCacheSection()
     inference: InferenceToolsSection = InferenceToolsSection()
     concurrency: int = Field(4, ge=1, description="tool calls run at once by ToolBox.execute_many")
+
+    @model_validator(mode="after")
+    def _python_cache_needs_seed(self) -> AgentSection:
+        if self.cache.enabled and "python" in self.cache.tools and self.python.seed is None:
+            raise ValueError("agent.cache.tools includes python but agent.python.seed is unset: each call's random "
+                             "generators start from fresh entropy, so a cached result would replay one draw for "
+                             "every later call. Set agent.python.seed to an int, or remove python from "
+                             "agent.cache.tools")
+        return self
