@@ -50,7 +50,7 @@ def write_verl_parquet(rows: list[RLRow], path: Path) -> Path:
     """Our validated rows in verl's RL schema (prompt messages, reward_model, extra_info.index, ability)."""
     records = [{"data_source": r.data_source, "prompt": [{"content": c, "role": role} for role, c in r.prompt],
                 "ability": r.ability, "reward_model": {"ground_truth": r.ground_truth, "style": "rule"},
-                "extra_info": {"index": r.index, "need_tools_kwargs": True, "question": r.question, "split": ""},
+                "extra_info": {"index": r.index, "need_tools_kwargs": False, "question": r.question, "split": ""},
                 "metadata": None} for r in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -40,7 +40,7 @@ def check_parity(tokenizer_dir: str, conversations: list[list[dict[str, str]]],
     raises TokenParityError naming the first differing prompt."""
     other = other_python or os.environ.get(PARENT_PYTHON_ENV)
     here = template_token_ids(tokenizer_dir, conversations)
-    if not other or Path(other).resolve() == Path(sys.executable).resolve():
+    if not other or Path(other).absolute() == Path(sys.executable).absolute():  # venv pythons are symlinks
         return {"checked": False, "reason": "no other interpreter (the stage runs in the parent's)"}
     from stages.core.isolate import call_in_interpreter
 
