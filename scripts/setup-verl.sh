@@ -25,6 +25,9 @@ echo "[setup-verl] $venv: pip install -r $req (first time: a few minutes)"
 # verl's GPU image may be Python 3.12 while pyproject says <3.12 (the main venv's LLaMA-Factory pins): the stages
 # that run here do not depend on that bound.
 "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --ignore-requires-python -e .
-"$venv/bin/python" -c "import verl, stages.rl.verl.settings; assert verl.__version__ == '0.9.1', verl.__version__"
+if ! out=$("$venv/bin/python" -c "import verl, stages.rl.verl.settings; assert verl.__version__ == '0.9.1'" 2>&1); then
+  echo "$out" >&2
+  exit 1
+fi
 rm -f "$venv"/.arpo-installed-* && touch "$stamp"
 echo "[setup-verl] $venv ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"

@@ -23,6 +23,7 @@ import torch
 
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
+from stages.core.config.rl_engine import local_engine_problem
 from stages.core.fingerprint import code_version, hash_value
 from stages.core.log import get_logger, progress
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
@@ -38,7 +39,6 @@ from stages.rl.metrics import (
     reconcile_metrics,
     rollout_metrics,
 )
-from stages.core.config.rl_engine import local_engine_problem
 from stages.rl.modeling import (
     compute_dtype,
     configure_for_training,

@@ -27,7 +27,7 @@ def test_verl_contract_suite_passes_in_the_verl_environment():
     env = {**os.environ, "ARPO_PARENT_PYTHON": sys.executable, "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.run([str(VERL_PYTHON), "-m", "pytest", "tests/verl", "-q", "-p", "no:cacheprovider",
                            "-W", "ignore", "-rs"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=1800, check=False)
     tail = proc.stdout[-8000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]

@@ -216,3 +216,35 @@ def test_verl_engine_without_verl_names_the_setup(tmp_path):
     cfg = load_config("tiny-cpu", ["rl.engine=verl"])
     with pytest.raises(RuntimeError, match="setup-gpu.sh"):
         RL_ENGINES.get("verl")(cfg.rl, cfg.agent, None, None, tmp_path, tmp_path, 0, "float32")
+
+
+def test_topk_server_asks_marked_requests_for_k_logprobs_and_returns_their_entropies():
+    """Against a server shaped like verl's vLLMHttpServer (builds `self.engine`, turns `logprobs` into 0 and calls
+    `engine.generate(prompt=, sampling_params=, request_id=)`): our subclass raises it to k for marked requests."""
+    from stages.rl.verl.topk_server import make_topk_server_class
+
+    lp = lambda value, rank: SimpleNamespace(logprob=value, rank=rank)  # noqa: E731
+
+    class Engine:
+        seen: list = []
+
+        async def generate(self, *, prompt, sampling_params, request_id, **_):
+            self.seen.append(sampling_params.logprobs)
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=[{5: lp(-0.1, 1), 6: lp(-2.4, 2)}])])
+
+    class Server:
+        def __init__(self) -> None:
+            self.engine = Engine()
+
+        async def generate(self, prompt_ids, sampling_params, request_id):
+            params = SimpleNamespace(logprobs=0 if sampling_params.pop("logprobs", False) else None)
+            async for final in self.engine.generate(prompt=prompt_ids, sampling_params=params, request_id=request_id):
+                pass
+            return SimpleNamespace(token_ids=final.outputs[0].token_ids, extra_fields={})
+
+    server = make_topk_server_class(Server)()
+    marked = asyncio.run(server.generate([1], {"logprobs": True, "arpo_entropy_topk": 10}, "r1"))
+    plain = asyncio.run(server.generate([1], {"logprobs": True}, "r2"))
+    # H = -(e^-0.1 * -0.1 + e^-2.4 * -2.4) nats over the two returned entries
+    assert marked.extra_fields["arpo_entropies"] == pytest.approx([math.exp(-0.1) * 0.1 + math.exp(-2.4) * 2.4])
+    assert "arpo_entropies" not in plain.extra_fields and Engine.seen == [10, 0]

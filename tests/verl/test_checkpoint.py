@@ -46,7 +46,7 @@ def test_verl_shards_merge_back_exactly_and_agree_with_verls_own_merger(fresh, t
     assert set(merged) == set(original) and all(torch.equal(merged[k], original[k]) for k in original)
     proc = subprocess.run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir",
                            str(fresh / "global_step_1" / "actor"), "--target_dir", str(tmp_path / "verl")],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = {}
     for file in (tmp_path / "verl").glob("*.safetensors"):

@@ -83,6 +83,12 @@ def make_worker(config, monkeypatch):
     async def kv_batch_put(keys, fields, tags, partition_id):
         store["puts"].append((list(keys), fields, tags))
 
+    from verl.trainer.ppo.v1 import agent_loop_tq
+
+    convert = agent_loop_tq.list_of_dict_to_tensordict
+    store["rows"] = []
+    monkeypatch.setattr(agent_loop_tq, "list_of_dict_to_tensordict",
+                        lambda dicts: (store["rows"].extend(dicts), convert(dicts))[1])
     monkeypatch.setattr(tq, "async_kv_put", kv_put)
     monkeypatch.setattr(tq, "async_kv_batch_put", kv_batch_put)
     return worker, server, store
@@ -95,17 +101,11 @@ def run_prompt(worker, prompt, validate=False):
 
 
 def stored(store):
-    """All trajectories put into TransferQueue, as one TensorDict the way verl's store returns them (jagged)."""
+    """Every trajectory put into TransferQueue, converted the way verl converts them (jagged per-row tensors)."""
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-    keys, rows = [], []
-    for put_keys, fields, _ in store["puts"]:
-        for i, key in enumerate(put_keys):
-            keys.append(key)
-            rows.append({k: fields[k][i] if isinstance(fields[k], torch.Tensor) else list(fields.get_non_tensor(k))[i]
-                         for k in fields.keys()})
-    store["rows"] = rows
-    return keys, list_of_dict_to_tensordict(rows)
+    keys = [k for put_keys, _, _ in store["puts"] for k in put_keys]
+    return keys, list_of_dict_to_tensordict(store["rows"])
 
 
 def test_tree_loop_yields_n_trajectories_as_n_sessions_with_n_rewards(tiny_verl_config, settings_file, monkeypatch):
@@ -137,7 +137,10 @@ def test_tree_loop_yields_n_trajectories_as_n_sessions_with_n_rewards(tiny_verl_
 def test_stock_list_return_path_would_copy_one_reward_to_every_trajectory(tiny_verl_config, settings_file,
                                                                           monkeypatch):
     """Why the worker override exists: verl's own path for a list of outputs treats them as one episode."""
-    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    from verl.experimental.agent_loop.agent_loop import (
+        AgentLoopMetrics,
+        AgentLoopOutput,
+    )
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
     from stages.rl.verl.tree import rollout_tree
@@ -200,7 +203,7 @@ def test_verl_advantage_paths_on_our_output_equal_our_advantages(tiny_verl_confi
 
 def test_trees_are_seeded_from_step_and_index_not_from_uid(tiny_verl_config, settings_file, monkeypatch):
     settings_file()
-    worker, server, store = make_worker(tiny_verl_config, monkeypatch)
+    worker, server, _ = make_worker(tiny_verl_config, monkeypatch)
     run_prompt(worker, sample("first-uid", 7, step=3))
     run_prompt(worker, sample("resumed-uid", 7, step=3))   # a resumed step: new uid, same step and index
     run_prompt(worker, sample("next-step", 7, step=4))

@@ -30,7 +30,7 @@ class RunConfig(Section):
     eval: EvalSection = EvalSection()
 
     @model_validator(mode="after")
-    def _local_engine_fits(self) -> "RunConfig":
+    def _local_engine_fits(self) -> RunConfig:
         """Refuse, before any work, a policy the one-device local RL engine cannot hold (sized from its name)."""
         params = params_from_name(self.model.name, self.model.path)
         if self.rl.enabled and self.rl.engine == "local" and params is not None:

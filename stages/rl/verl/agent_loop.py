@@ -93,7 +93,7 @@ class ArpoAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
             for session, output in enumerate(outputs):
                 await self._agent_loop_postprocess(output, validate, session_id=session, **sample)
             status = "finished"
-        except Exception:
+        except Exception:  # as verl's worker does: the prompt is marked failed and the step goes on
             logger.exception("rollout tree of prompt %s failed", uid)
         await tq.async_kv_put(key=uid, partition_id=partition, tag={"status": status})
 

@@ -73,7 +73,7 @@ def plugin_env(settings_path: Path | None = None) -> dict[str, str]:
 def verify_plugin(python: str = sys.executable, env: dict[str, str] | None = None) -> dict[str, bool]:
     """Fail before Ray starts unless a fresh `import verl` under `python` sees all our registrations."""
     proc = subprocess.run([python, "-m", "stages.rl.verl.preflight"], env=env or plugin_env(), capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise VerlPluginError(f"the verl plugin check failed under {python} (exit {proc.returncode}):\n"
@@ -162,7 +162,7 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
              sorted(found))
     with open(stage / "verl.log", "a") as console:
         proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env, cwd=stage,
-                              stdout=console, stderr=subprocess.STDOUT)
+                              stdout=console, stderr=subprocess.STDOUT, check=False)
     collect_metrics(stage)
     if proc.returncode != 0:
         raise RuntimeError(f"verl.trainer.main_ppo exited with code {proc.returncode}; see {stage / 'verl.log'}. "

@@ -23,7 +23,13 @@ from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_pol
 from stages.core.config.rl import LossSection
 from stages.rl.losses import POLICY_LOSSES
 from stages.rl.verl.advantage import tree_advantages
-from stages.rl.verl.mapping import ADV_ESTIMATOR, MANAGER_CLASS, POLICY_LOSSES as VERL_NAMES, TRAINER_MODE, TREE_AGENT
+from stages.rl.verl.mapping import (
+    ADV_ESTIMATOR,
+    MANAGER_CLASS,
+    TRAINER_MODE,
+    TREE_AGENT,
+)
+from stages.rl.verl.mapping import POLICY_LOSSES as VERL_NAMES
 from stages.rl.verl.settings import load_settings
 
 
@@ -64,8 +70,8 @@ def _policy_loss(ours: str):
 for _ours, _name in VERL_NAMES.items():
     register_policy_loss(_name)(_policy_loss(_ours))
 
-from stages.rl.verl import agent_loop as _agent_loop  # noqa: E402,F401  (registers arpo_tree)
-from stages.rl.verl import trainer_mode as _trainer_mode  # noqa: E402,F401  (registers arpo_sync)
+from stages.rl.verl import agent_loop as _agent_loop  # noqa: F401  (registers arpo_tree)
+from stages.rl.verl import trainer_mode as _trainer_mode  # noqa: F401  (registers arpo_sync)
 
 if os.environ.get("ARPO_VERL_ENTROPY") == "topk":
     from stages.rl.verl.topk_server import register_topk_replica

@@ -19,7 +19,12 @@ def main() -> dict:
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
-    from stages.rl.verl.mapping import ADV_ESTIMATOR, POLICY_LOSSES, TRAINER_MODE, TREE_AGENT
+    from stages.rl.verl.mapping import (
+        ADV_ESTIMATOR,
+        POLICY_LOSSES,
+        TRAINER_MODE,
+        TREE_AGENT,
+    )
 
     found = {f"adv:{ADV_ESTIMATOR}": ADV_ESTIMATOR in ADV_ESTIMATOR_REGISTRY,
              f"agent_loop:{TREE_AGENT}": TREE_AGENT in _agent_loop_registry,
@@ -29,7 +34,7 @@ def main() -> dict:
     if not all(found.values()):
         try:
             import stages.rl.verl.plugin  # noqa: F401
-        except Exception:
+        except Exception:  # noqa: BLE001  (any import error is the report)
             error = traceback.format_exc(limit=6)
         else:
             error = ("the plugin imports fine here but `import verl` did not load it: install this project into "

@@ -80,7 +80,10 @@ def register_topk_replica() -> None:
 
     def loader():
         import ray
-        from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+        from verl.workers.rollout.vllm_rollout.vllm_async_server import (
+            vLLMHttpServer,
+            vLLMReplica,
+        )
 
         server = make_topk_server_class(vLLMHttpServer)
 

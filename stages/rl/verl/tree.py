@@ -22,15 +22,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from concurrent.futures import Executor
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
-from stages.core.fingerprint import hash_value
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RolloutSection
+from stages.core.fingerprint import hash_value
 from stages.data import RLRow
-from stages.rl.backends.base import ForwardStats, GenRequest, GenResult, SamplingSpec, StopMatcher, eos_ids_of
+from stages.rl.backends.base import (
+    ForwardStats,
+    GenRequest,
+    GenResult,
+    SamplingSpec,
+    StopMatcher,
+    eos_ids_of,
+)
 from stages.rl.prompts import build_prompt_items
 from stages.rl.rollout import RolloutEngine
 from stages.rl.types import RolloutBatch
