@@ -9,6 +9,5 @@ cd "$(dirname "$0")/.."
 .venv-verl/bin/python -m stages.rl.verl.preflight
 cat <<'MSG'
 [setup-gpu] ready. Run a paper profile with:
-  arpo run -p arpo-qwen2.5-7b-reasoning -o 'run.interpreters={rl: .venv-verl/bin/python}' \
-    -o serve.vllm.executable=.venv-verl/bin/vllm
+  .venv/bin/arpo run -p arpo-qwen2.5-7b-reasoning -o serve.vllm.executable=.venv-verl/bin/vllm
 MSG

@@ -24,7 +24,7 @@ echo "[setup-verl] $venv: pip install -r $req (first time: a few minutes)"
 "$venv/bin/pip" install --disable-pip-version-check -q -r "$req"
 # verl's GPU image may be Python 3.12 while pyproject says <3.12 (the main venv's LLaMA-Factory pins): the stages
 # that run here do not depend on that bound.
-"$venv/bin/pip" install --disable-pip-version-check -q --no-deps --ignore-requires-python -e .
+"$venv/bin/pip" install --disable-pip-version-check -q --no-deps --no-warn-conflicts --ignore-requires-python -e .
 if ! out=$("$venv/bin/python" -c "import verl, stages.rl.verl.settings; assert verl.__version__ == '0.9.1'" 2>&1); then
   echo "$out" >&2
   exit 1

@@ -248,3 +248,28 @@ def test_topk_server_asks_marked_requests_for_k_logprobs_and_returns_their_entro
     # H = -(e^-0.1 * -0.1 + e^-2.4 * -2.4) nats over the two returned entries
     assert marked.extra_fields["arpo_entropies"] == pytest.approx([math.exp(-0.1) * 0.1 + math.exp(-2.4) * 2.4])
     assert "arpo_entropies" not in plain.extra_fields and Engine.seen == [10, 0]
+
+
+def test_run_rl_dispatches_to_the_configured_engine_and_caches_its_checkpoint(tmp_path, monkeypatch):
+    from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+    from stages.rl import engines
+    from stages.rl.trainer import run_rl
+
+    calls = []
+
+    def fake_verl(cfg, agent, policy, data, stage, cache_root, seed, dtype):
+        calls.append((stage, seed, dtype))
+        actor = stage / "checkpoints" / "global_step_2" / "actor"
+        actor.mkdir(parents=True)
+        (actor / "model_world_size_1_rank_0.pt").write_bytes(b"shard")
+        return CheckpointRef(path=str(actor), fingerprint="", format="verl_fsdp", step=2,
+                             meta={"metrics": str(stage / "metrics.jsonl")})
+
+    monkeypatch.setitem(engines.RL_ENGINES._entries, "verl", fake_verl)
+    cfg = load_config("tiny-cpu", ["rl.engine=verl"])
+    policy, data = ModelRef(path=str(tmp_path), fingerprint="p", name="m"), DatasetRef(path="d", fingerprint="d")
+    first = run_rl(cfg.rl, cfg.agent, policy, data, tmp_path / "out", tmp_path, seed=1, dtype="bfloat16")
+    again = run_rl(cfg.rl, cfg.agent, policy, data, tmp_path / "out", tmp_path, seed=1, dtype="bfloat16")
+    assert len(calls) == 1 and calls[0][1:] == (1, "bfloat16")                 # the second call is a cache hit
+    assert first == again and first.format == "verl_fsdp" and first.step == 2 and first.base == policy
+    assert first.path.endswith("global_step_2/actor") and first.meta["engine"] == "verl"

@@ -5,7 +5,7 @@ verl's advantage call gives an estimator rewards, the mask and the uid only. Har
 entropies; verl's `_compute_old_log_prob` already writes the old policy's full-vocabulary `entropy` into
 TransferQueue (the same quantity, from the same no-grad old-policy pass, as our local engine). This override reads
 both and calls `stages.rl.verl.advantage.tree_advantages` (our registry). KL-in-reward and rollout-correction
-weights are not used by our algorithms and are refused here rather than silently dropped.
+weights / rejection sampling are not used by our algorithms and are refused here rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ def _padded(tensor):
 
 
 def _as_list(value: Any) -> list[Any]:
+    """Per-row python values of a non-tensor field (NonTensorStack, a stacked sub-TensorDict, or a list)."""
+    if isinstance(value, TensorDict):
+        return [value[i].to_dict() for i in range(value.batch_size[0])]
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
@@ -49,8 +52,8 @@ def advantages_from_store(data: TensorDict) -> TensorDict:
 class ArpoSyncTrainer(PPOTrainerSync):
     def _compute_advantage(self, batch, metrics: dict):
         algo = self.config.algorithm
-        if algo.use_kl_in_reward or algo.get("rollout_correction", None) and algo.rollout_correction.get(
-                "rollout_is", None):
+        correction = algo.get("rollout_correction", None) or {}
+        if algo.use_kl_in_reward or correction.get("rollout_is", None) or correction.get("rollout_rs", None):
             raise ValueError(f"trainer_mode={TRAINER_MODE} supports neither algorithm.use_kl_in_reward nor rollout "
                              "correction weights; use rl.loss.kl_coef (KL as a loss) instead")
         fields = [f for f in FIELDS if f != "entropy" or load_settings().advantage.entropy_aware]
