@@ -223,13 +223,14 @@ def test_topk_server_asks_marked_requests_for_k_logprobs_and_returns_their_entro
     `engine.generate(prompt=, sampling_params=, request_id=)`): our subclass raises it to k for marked requests."""
     from stages.rl.verl.topk_server import make_topk_server_class
 
-    lp = lambda value, rank: SimpleNamespace(logprob=value, rank=rank)  # noqa: E731
+    def lp(value: float, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(logprob=value, rank=rank)
+
+    seen: list[int] = []
 
     class Engine:
-        seen: list = []
-
         async def generate(self, *, prompt, sampling_params, request_id, **_):
-            self.seen.append(sampling_params.logprobs)
+            seen.append(sampling_params.logprobs)
             yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=[{5: lp(-0.1, 1), 6: lp(-2.4, 2)}])])
 
     class Server:
@@ -247,7 +248,7 @@ def test_topk_server_asks_marked_requests_for_k_logprobs_and_returns_their_entro
     plain = asyncio.run(server.generate([1], {"logprobs": True}, "r2"))
     # H = -(e^-0.1 * -0.1 + e^-2.4 * -2.4) nats over the two returned entries
     assert marked.extra_fields["arpo_entropies"] == pytest.approx([math.exp(-0.1) * 0.1 + math.exp(-2.4) * 2.4])
-    assert "arpo_entropies" not in plain.extra_fields and Engine.seen == [10, 0]
+    assert "arpo_entropies" not in plain.extra_fields and seen == [10, 0]
 
 
 def test_run_rl_dispatches_to_the_configured_engine_and_caches_its_checkpoint(tmp_path, monkeypatch):
