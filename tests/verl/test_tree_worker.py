@@ -183,6 +183,13 @@ def test_verl_advantage_paths_on_our_output_equal_our_advantages(tiny_verl_confi
     expected = compute_advantages(AdvantageSection(), rewards, group, mask)
     assert torch.allclose(out.batch["advantages"], expected, atol=1e-6)
     assert torch.count_nonzero(expected * (1 - mask)) == 0           # zero on tool tokens and padding
+    # verl's own `grpo` on the same keys sees one group of n = 4 per prompt (sessions 0..3, one output each):
+    # identical to ours here (groups larger than one, same eps)
+    stock = compute_advantage_for_multi_trajectories(
+        DataProto.from_dict(tensors={"token_level_rewards": scores, "response_mask": mask},
+                            non_tensors={"uid": np.array([k.split("_")[0] for k in keys], dtype=object)}),
+        keys, "grpo", num_repeat=4, config=None)
+    assert torch.allclose(stock.batch["advantages"], expected, atol=1e-5)
     # 2. hard attribution + AEPO entropy-aware (trainer mode arpo_sync) on the stored rows, shuffled as verl's
     #    balance_batch may do, with entropies as verl's old-log-prob pass stores them
     cfg = AdvantageSection(attribution="hard", entropy_aware=True)
