@@ -49,7 +49,7 @@ def pipeline(profile: str = "tiny-cpu", overrides: list[str] | None = None, only
                                              cache, python=python("dpo"))
     if plan.runs("rl"):
         refs["rl"] = policy = run_stage(rl_task, plan, "rl", cfg.rl, cfg.agent, policy, data, root, cache,
-                                        seed=cfg.run.seed, python=python("rl"))
+                                        seed=cfg.run.seed, dtype=cfg.model.dtype, python=python("rl"))
     if plan.runs("merge"):
         refs["merge"] = policy = run_stage(merge_task, plan, "merge", cfg.merge, policy, root,
                                            python=python("merge"))

@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARPO_WITH_BROWSER=1 ./scripts/setup.sh
+# verl 0.9.1 contract tests run in their own environment (tests/integration/test_verl_contract.py)
+./scripts/setup-verl.sh --test
 exec .venv/bin/python -m pytest -m "not gpu" "$@"

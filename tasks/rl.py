@@ -18,11 +18,11 @@ from tasks.secrets import export_search_key
 
 @stage_task("rl", "stages.rl", "stages.agent")
 def rl_task(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
-            output_root: str, cache_root: str, seed: int = 0, python: str | None = None,
+            output_root: str, cache_root: str, seed: int = 0, dtype: str = "float32", python: str | None = None,
             force: bool = False) -> CheckpointRef:
     export_search_key(agent)
     ref = call_stage("stages.rl.trainer:run_rl", python, cfg=cfg, agent=agent, policy=policy, data=data,
-                     output_root=output_root, cache_root=cache_root, seed=seed, force=force)
+                     output_root=output_root, cache_root=cache_root, seed=seed, force=force, dtype=dtype)
     if ref.format == "trainer":
         publish_image("rl-curves", ref.meta["curves"], f"{cfg.algorithm}: reward, accuracy, entropy, tool calls")
         publish_markdown("rl-rollouts", rollout_sample_markdown(Path(ref.meta["rollouts"])),

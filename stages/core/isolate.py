@@ -46,7 +46,8 @@ def call_in_interpreter(python: str, target: str, kwargs: dict[str, Any], timeou
         request, response = Path(tmp) / "request.json", Path(tmp) / "response.json"
         request.write_text(json.dumps({"target": target, "kwargs": _plain(kwargs)}))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT),
-                                                                         os.environ.get("PYTHONPATH")]))}
+                                                                         os.environ.get("PYTHONPATH")])),
+               "ARPO_PARENT_PYTHON": sys.executable}  # e.g. the verl stage's token-id parity check
         proc = subprocess.run([python, "-m", "stages.core.isolate", str(request), str(response)], env=env,
                               timeout=timeout, cwd=os.getcwd())
         payload = json.loads(response.read_text()) if response.is_file() else {}

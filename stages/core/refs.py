@@ -44,10 +44,11 @@ class DatasetRef(Ref):
 
 
 class CheckpointRef(Ref):
-    """Trained weights: an HF folder, a LoRA adapter over `base`, or a trainer checkpoint folder."""
+    """Trained weights: an HF folder, a LoRA adapter over `base`, a trainer checkpoint folder, or a verl FSDP
+    actor folder (`global_step_<N>/actor`, merged by stages.rl.fsdp_merge)."""
 
     kind: Literal["checkpoint"] = "checkpoint"
-    format: Literal["hf", "lora", "trainer"] = "hf"
+    format: Literal["hf", "lora", "trainer", "verl_fsdp"] = "hf"
     base: ModelRef | None = None
     step: int | None = None
 

@@ -10,7 +10,9 @@ The merged folder gets the weights in `cfg.dtype`, the tokenizer and the generat
 back from disk and its log-probs on the probe sequences must match the reference within `cfg.parity_atol`,
 else `MergeParityError` reports the largest difference and the stage stays incomplete.
 
-A verl FSDP checkpoint is merged by `stages.rl.fsdp_merge.merge_fsdp_shards` into an HF folder first.
+- verl_fsdp: a verl FSDP actor folder (`global_step_<N>/actor`, the verl engine's output): its shards are first
+  assembled into an HF folder by `stages.rl.fsdp_merge.merge_fsdp_shards`, which is then merged as `hf` (the
+  reference log-probs come from the assembled float32 weights).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def merge_to_folder(cfg: MergeSection, ckpt: CheckpointRef, model_dir: Path) -> 
     2. the folder written in `cfg.dtype` and loaded back from disk reproduces the same weights rounded to
        `cfg.dtype` (so the tolerance is about the merge, not about the rounding, which is reported).
     """
+    if ckpt.format == "verl_fsdp":
+        ckpt = assembled_verl_checkpoint(ckpt, model_dir.with_name("verl_assembled"))
     tokenizer = load_tokenizer(ckpt)
     sequences, trained, device = reference_probe(ckpt, tokenizer)
     model = load_policy(ckpt, torch.float32, merge_lora=True).to(device)
@@ -113,6 +117,15 @@ def merge_to_folder(cfg: MergeSection, ckpt: CheckpointRef, model_dir: Path) -> 
     return {"model_dir": str(model_dir), "max_abs_diff": max(loaded, merged), "load_diff": loaded,
             "merge_diff": merged, "dtype_rounding_diff": rounding, "parity_atol": cfg.parity_atol,
             "probe_tokens": sum(len(s) - 1 for s in sequences), "dtype": cfg.dtype, "format": ckpt.format}
+
+
+def assembled_verl_checkpoint(ckpt: CheckpointRef, folder: Path) -> CheckpointRef:
+    """verl's FSDP shards -> a float32 HF folder (config and tokenizer from `<actor>/huggingface`)."""
+    from stages.rl.fsdp_merge import merge_fsdp_shards
+
+    merge_fsdp_shards(ckpt.path, folder, dtype=torch.float32)
+    return CheckpointRef(path=str(folder), fingerprint=ckpt.fingerprint, format="hf", base=ckpt.base, step=ckpt.step,
+                         meta={**ckpt.meta, "assembled_from": ckpt.path})
 
 
 def _copy_generation_config(ckpt: CheckpointRef, target: Path) -> None:

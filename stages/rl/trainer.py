@@ -23,6 +23,7 @@ import torch
 
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
+from stages.core.config.rl_engine import local_engine_problem
 from stages.core.fingerprint import code_version, hash_value
 from stages.core.log import get_logger, progress
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
@@ -38,7 +39,15 @@ from stages.rl.metrics import (
     reconcile_metrics,
     rollout_metrics,
 )
-from stages.rl.modeling import load_policy, load_tokenizer, pick_device
+from stages.rl.modeling import (
+    compute_dtype,
+    configure_for_training,
+    device_memory_gb,
+    load_policy,
+    load_tokenizer,
+    parameters_billion,
+    pick_device,
+)
 from stages.rl.probe import write_probe
 from stages.rl.rewards import compute_rewards
 from stages.rl.session import RolloutSession
@@ -49,8 +58,10 @@ log = get_logger(__name__)
 
 
 def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
-           output_root: str | Path, cache_root: str | Path, seed: int = 0, force: bool = False) -> CheckpointRef:
-    """Train `policy` with GRPO / ARPO / AEPO on `data`'s rl_train file; returns the final trainer checkpoint.
+           output_root: str | Path, cache_root: str | Path, seed: int = 0, force: bool = False,
+           dtype: str = "float32") -> CheckpointRef:
+    """Train `policy` with GRPO / ARPO / AEPO on `data`'s rl_train file with the engine `cfg.engine` (local: this
+    process; verl: verl 0.9.1 over Ray); returns the final checkpoint. `dtype` is model.dtype.
 
     With `cfg.enabled` false the policy is passed through (a ModelRef becomes an hf CheckpointRef).
     """
@@ -59,19 +70,21 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     ablation = aepo_components_off(cfg)
     if ablation:
         log.warning("rl.algorithm=aepo with %s switched off: an AEPO ablation", ", ".join(ablation))
-    key = hash_value(cfg, agent, policy.fingerprint, data.fingerprint, seed,
-                     code_version("stages.rl", "stages.agent"))
+    from stages.rl.engines import RL_ENGINES, engine_version
+
+    engine = RL_ENGINES.get(cfg.engine)
+    key = hash_value(cfg, agent, policy.fingerprint, data.fingerprint, seed, dtype,
+                     code_version("stages.rl", "stages.agent"), engine_version(cfg.engine))
     out = stage_dir(output_root, "rl", key, force=force)
     if not out.complete:
-        trainer = RLTrainer(cfg, agent, policy, data, out.path, Path(cache_root), seed)
-        final = trainer.train()
-        out.finish(content=final / "model", final=str(final), steps=trainer.total_steps)
+        result = engine(cfg, agent, policy, data, out.path, Path(cache_root), seed, dtype)
+        content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
+        out.finish(content=content, final=result.path, steps=result.step, format=result.format,
+                   meta=result.meta)
     marker = out.marker()
-    final = Path(marker["final"])
-    return CheckpointRef(path=str(final), fingerprint=out.fingerprint, format="trainer", base=base_model(policy),
-                         step=int(marker["steps"]),
-                         meta={"algorithm": cfg.algorithm, "metrics": str(out.path / "metrics.jsonl"),
-                               "curves": str(out.path / "curves.png"), "rollouts": str(out.path / "rollouts"),
+    return CheckpointRef(path=marker["final"], fingerprint=out.fingerprint, format=marker.get("format", "trainer"),
+                         base=base_model(policy), step=int(marker["steps"]),
+                         meta={"algorithm": cfg.algorithm, "engine": cfg.engine, **marker.get("meta", {}),
                                **({"aepo_off": ablation} if ablation else {})})
 
 
@@ -83,6 +96,16 @@ def aepo_components_off(cfg: RLSection) -> list[str]:
     return [name for name, on in (("entropy-balanced clipping", cfg.loss.policy_loss == "aepo_balanced_clip"),
                                   ("entropy-aware advantage", cfg.advantage.entropy_aware),
                                   ("branch penalty", cfg.rollout.branch_penalty > 0)) if not on]
+
+
+def run_local(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+              stage: Path, cache_root: Path, seed: int, dtype: str) -> CheckpointRef:
+    """The local engine: this process, one device."""
+    trainer = RLTrainer(cfg, agent, policy, data, stage, cache_root, seed, dtype=dtype)
+    final = trainer.train()
+    return CheckpointRef(path=str(final), fingerprint="", format="trainer", step=trainer.total_steps,
+                         meta={"metrics": str(stage / "metrics.jsonl"), "curves": str(stage / "curves.png"),
+                               "rollouts": str(stage / "rollouts")})
 
 
 def passthrough(policy: ModelRef | CheckpointRef) -> CheckpointRef:
@@ -130,7 +153,7 @@ def make_optimizer(model: torch.nn.Module, cfg: RLSection) -> torch.optim.Optimi
 class RLTrainer:
     def __init__(self, cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
                  stage_path: Path, cache_root: Path, seed: int = 0, alarms: AlarmRules | None = None,
-                 toolbox: Any = None) -> None:
+                 toolbox: Any = None, dtype: str = "float32") -> None:
         self.cfg, self.agent, self.policy, self.data, self.toolbox = cfg, agent, policy, data, toolbox
         self.path, self.cache_root, self.seed = Path(stage_path), Path(cache_root), seed
         self.alarms = alarms or AlarmRules()
@@ -139,18 +162,18 @@ class RLTrainer:
         self.ckpt_root = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"
         self.device = pick_device()
+        self.dtype = compute_dtype(dtype)
         self.config_hash = hash_value(cfg, agent, seed)
         self.resumed_from: int | None = None  # the checkpoint step this process resumed from
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def _load(self) -> tuple[ckpt.TrainerState, Path | None]:
         latest = ckpt.latest_checkpoint(self.ckpt_root)
+        self.check_memory()
         self.tokenizer = load_tokenizer(self.policy)
         source = ModelRef(path=str(latest / "model"), fingerprint="resume") if latest else self.policy
-        self.model = load_policy(source, torch.float32).to(self.device)
-        if self.cfg.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-            self.model.config.use_cache = False
+        self.model = configure_for_training(load_policy(source, torch.float32).to(self.device),
+                                            self.cfg.trainer.gradient_checkpointing)
         self.ref_model = None
         if self.cfg.loss.kl_coef > 0:  # the frozen reference exists only when it contributes
             self.ref_model = load_policy(self.policy, torch.float32).to(self.device).eval()
@@ -167,6 +190,14 @@ class RLTrainer:
             raise RuntimeError(f"checkpoint {latest} was written under another configuration; delete "
                                f"{self.ckpt_root} or run with force=True to start over")
         return state, latest
+
+    def check_memory(self) -> None:
+        """Refuse, before loading weights, a policy this device cannot train (exact size from its config)."""
+        params = parameters_billion(self.policy)
+        problem = local_engine_problem(params, device_memory_gb(self.device, self.cfg.local_memory_gb),
+                                       self.cfg.rollout.backend, self.cfg.loss.kl_coef > 0)
+        if problem:
+            raise MemoryError(problem)
 
     def train(self) -> Path:
         state, latest = self._load()
@@ -215,10 +246,11 @@ class RLTrainer:
         times["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         tensors = build_step_tensors(self.cfg, self.model, self.ref_model, rollouts, [r.score for r in rewards],
-                                     pad_id, self.device)
+                                     pad_id, self.device, self.dtype)
         times["old_logprob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        update = ppo_update(self.cfg, self.model, self.optimizer, tensors, self.cfg.rollout.n, self.device)
+        update = ppo_update(self.cfg, self.model, self.optimizer, tensors, self.cfg.rollout.n, self.device,
+                            self.dtype)
         times["update"] = time.perf_counter() - t0
         state.step += 1
         state.epoch, state.position = divmod(state.step, self.steps_per_epoch)
@@ -267,4 +299,4 @@ class RLTrainer:
                       per_traj)
 
 
-__all__ = ["RLTrainer", "passthrough", "plan_steps", "rollout_seed", "run_rl"]
+__all__ = ["RLTrainer", "passthrough", "plan_steps", "rollout_seed", "run_local", "run_rl"]

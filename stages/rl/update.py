@@ -51,20 +51,21 @@ def branch_parents(rollouts: RolloutBatch) -> tuple[list[int | None], list[int]]
     return parents, forks
 
 
-def autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+def autocast(device: torch.device, dtype: torch.dtype = torch.float32):
+    """Compute in `dtype` (model.dtype) over float32 master weights; float32 = no autocast."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
 def build_step_tensors(cfg: RLSection, model: torch.nn.Module, ref_model: torch.nn.Module | None,
                        rollouts: RolloutBatch, rewards: list[float], pad_id: int,
-                       device: torch.device) -> StepTensors:
+                       device: torch.device, dtype: torch.dtype = torch.float32) -> StepTensors:
     trajs = rollouts.trajectories
     batch = collate(trajs, pad_id)
     temperature = cfg.rollout.temperature
     micro = cfg.trainer.micro_batch_size
     was_training = model.training
     model.eval()
-    with autocast(device):
+    with autocast(device, dtype):
         old_logp, entropy = batched_forward(model, batch, micro, temperature, True, device)
         ref_logp = None
         if ref_model is not None:
@@ -97,10 +98,10 @@ def _trim(batch: Collated) -> tuple[Collated, int]:
 
 
 def _micro_loss(cfg: RLSection, model: torch.nn.Module, data: StepTensors, rows: slice, weights_BT: torch.Tensor,
-                device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+                device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, float]]:
     micro, t = _trim(data.batch.rows_slice(rows.start, rows.stop))
     micro = micro.to(device)
-    with autocast(device):
+    with autocast(device, dtype):
         logp, entropy = policy_forward(model, micro, cfg.rollout.temperature, cfg.loss.entropy_coef != 0)
 
     def cut(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -112,7 +113,7 @@ def _micro_loss(cfg: RLSection, model: torch.nn.Module, data: StepTensors, rows:
 
 
 def ppo_update(cfg: RLSection, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: StepTensors,
-               group_size: int, device: torch.device) -> dict[str, float]:
+               group_size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Returns mean statistics over micro-batches plus grad norm and the number of optimizer steps."""
     tc = cfg.trainer
     rows = data.batch.rows
@@ -133,7 +134,7 @@ def ppo_update(cfg: RLSection, model: torch.nn.Module, optimizer: torch.optim.Op
             loss_total = 0.0
             for start in range(m_start, m_stop, tc.micro_batch_size):
                 loss, stats = _micro_loss(cfg, model, data, slice(start, min(m_stop, start + tc.micro_batch_size)),
-                                          weights, device)
+                                          weights, device, dtype)
                 loss.backward()
                 loss_total += float(loss.detach())
                 for key, value in stats.items():

@@ -86,3 +86,25 @@ def test_missing_rank_is_named(tmp_path):
         find_shards(tmp_path)
     with pytest.raises(FileNotFoundError, match="global_step"):
         find_shards(tmp_path / "empty")
+
+
+def test_merge_stage_takes_a_verl_checkpoint_in_verl_0_9_1_layout(tmp_path):
+    """tests/fixtures/verl_fsdp_0.9.1 was written by verl 0.9.1's own FSDPCheckpointManager (2 FSDP2 ranks;
+    tests/verl/fsdp_fixture.py, layout re-checked by tests/verl/test_checkpoint.py): the merge stage assembles it,
+    passes its parity probe and writes bfloat16 weights equal to the original ones rounded."""
+    from safetensors.torch import load_file
+
+    from stages.core.config.rl import MergeSection
+    from stages.core.refs import CheckpointRef
+    from stages.rl.merge import merge_checkpoint
+
+    fixture = PROJECT_ROOT / "tests" / "fixtures" / "verl_fsdp_0.9.1"
+    ckpt = CheckpointRef(path=str(fixture / "global_step_1" / "actor"), fingerprint="verl-fixture",
+                         format="verl_fsdp", step=1)
+    model = merge_checkpoint(MergeSection(dtype="bfloat16"), ckpt, tmp_path)
+    assert model.meta["source_format"] == "verl_fsdp" and model.meta["max_abs_diff"] <= 1e-4
+    original = load_file(str(fixture / "original" / "model.safetensors"))
+    merged = load_file(str(Path(model.path) / "model.safetensors"))
+    assert set(merged) == set(original)
+    assert all(torch.equal(merged[k], original[k].to(torch.bfloat16)) for k in original)
+    assert (Path(model.path) / "tokenizer.json").is_file()

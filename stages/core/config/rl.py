@@ -4,6 +4,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from stages.core.config.rl_engine import VerlSection
 from stages.core.config.section import Section
 
 
@@ -129,6 +130,13 @@ def _fill_unset(section: Any, implied: dict[str, Any]) -> Any:
 
 class RLSection(Section):
     enabled: bool = True
+    engine: Literal["local", "verl"] = Field(
+        "local", description="local: one-process trainer on one device; verl: verl 0.9.1 FSDP over Ray (paper "
+        "profiles); names of stages.rl.engines.RL_ENGINES")
+    local_memory_gb: float = Field(80.0, gt=0, description="memory of the one device the local engine trains on; "
+                                   "a policy that cannot fit is refused before any work (stages/core/config/"
+                                   "rl_engine.py)")
+    verl: VerlSection = VerlSection()
     algorithm: Literal["grpo", "arpo", "aepo"] = Field(
         "arpo", description="the one source of the algorithm: it sets rollout.strategy and, for aepo, the AEPO "
         "defaults (balanced clip, entropy-aware advantage, branch penalty 0.05); contradicting settings are errors")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pydantic import model_validator
+
 from stages.core.config.agent import AgentSection
 from stages.core.config.data import DataSection
 from stages.core.config.eval import EvalSection
 from stages.core.config.model import ModelSection
 from stages.core.config.rl import MergeSection, RLSection
+from stages.core.config.rl_engine import local_engine_problem, params_from_name
 from stages.core.config.run import RunSection
 from stages.core.config.section import Section
 from stages.core.config.serve import ServeSection
@@ -25,6 +28,17 @@ class RunConfig(Section):
     merge: MergeSection = MergeSection()
     serve: ServeSection = ServeSection()
     eval: EvalSection = EvalSection()
+
+    @model_validator(mode="after")
+    def _local_engine_fits(self) -> RunConfig:
+        """Refuse, before any work, a policy the one-device local RL engine cannot hold (sized from its name)."""
+        params = params_from_name(self.model.name, self.model.path)
+        if self.rl.enabled and self.rl.engine == "local" and params is not None:
+            problem = local_engine_problem(params, self.rl.local_memory_gb, self.rl.rollout.backend,
+                                           self.rl.loss.kl_coef > 0)
+            if problem:
+                raise ValueError(f"rl.engine=local with model {self.model.name!r}: {problem}")
+        return self
 
     def section_hash(self, name: str) -> str:
         return hash_value(getattr(self, name))

@@ -1,0 +1,55 @@
+"""RL engines: one registry (`rl.engine`), one signature.
+
+    fn(cfg: RLSection, agent: AgentSection, policy, data: DatasetRef, stage: Path, cache_root: Path, seed: int,
+       dtype: str) -> CheckpointRef        (stage = the content-addressed stage folder run_rl made)
+
+- `local`: the one-process trainer (stages/rl/trainer.py) on one device; returns a `trainer` checkpoint.
+- `verl`: verl 0.9.1's PPO trainer over Ray with our plugin (stages/rl/verl/); returns a `verl_fsdp` checkpoint
+  (the actor folder of the last `global_step_<N>`), which the merge stage turns into an HF folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from stages.core.config.agent import AgentSection
+from stages.core.config.rl import RLSection
+from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+from stages.core.registry import Registry
+
+RLEngineFn = Callable[..., CheckpointRef]
+RL_ENGINES: Registry[RLEngineFn] = Registry("RL engine")
+VERL_VERSION = "0.9.1"
+
+
+@RL_ENGINES.register("local")
+def local_engine(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+                 stage: Path, cache_root: Path, seed: int, dtype: str) -> CheckpointRef:
+    from stages.rl.trainer import run_local
+
+    return run_local(cfg, agent, policy, data, stage, cache_root, seed, dtype)
+
+
+@RL_ENGINES.register("verl")
+def verl_engine(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+                stage: Path, cache_root: Path, seed: int, dtype: str) -> CheckpointRef:
+    installed = engine_version("verl")
+    if installed != VERL_VERSION:
+        raise RuntimeError(f"rl.engine=verl needs verl=={VERL_VERSION} in the RL stage's interpreter; this one has "
+                           f"{installed or 'no verl'}. Build it with ./scripts/setup-gpu.sh and set "
+                           "run.interpreters.rl=.venv-verl/bin/python (README: GPU runbook)")
+    from stages.rl.verl.launch import run_rl_verl
+
+    return run_rl_verl(cfg, agent, policy, data, stage, cache_root, seed, dtype)
+
+
+def engine_version(engine: str) -> str:
+    """What the cache key records about the engine: verl's installed version (empty for local / absent)."""
+    if engine != "verl":
+        return ""
+    try:
+        return version("verl")
+    except PackageNotFoundError:
+        return ""

@@ -1,0 +1,176 @@
+"""The verl engine of the RL stage: prepare, check, run verl's PPO entry point, return its checkpoint.
+
+    ref = run_rl_verl(cfg.rl, cfg.agent, policy, data, stage, cache_root, seed, dtype)   # via stages.rl.trainer.run_rl
+
+Runs under the RL stage's interpreter (`run.interpreters.rl` = verl's environment, `.venv-verl`). In the stage
+folder it writes the data as verl parquet (rows validated and normalised by our reader, so both engines see the
+same prompts), the plugin settings, the agent-loop YAML; then, before Ray starts, checks that `import verl` in a
+fresh interpreter sees every registration (verl swallows plugin import errors) and that the prompt template gives
+the same token ids as in the parent environment; then runs `python -m verl.trainer.main_ppo <overrides>`.
+Re-running after a crash resumes: `trainer.resume_mode=auto` loads the newest `checkpoints/global_step_*`
+(weights, optimizer, RNG, dataloader) and trees are seeded from (seed, step, dataset index).
+The result is `CheckpointRef(format="verl_fsdp")` at `global_step_<N>/actor`, which the merge stage turns into an
+HF folder with `stages.rl.fsdp_merge` and checks with its parity probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stages.core.atomic import write_json, write_text
+from stages.core.config.agent import AgentSection
+from stages.core.config.rl import RLSection
+from stages.core.log import get_logger
+from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+from stages.data import RLRow, read_rl_parquet
+from stages.data.rl_parquet import SCHEMA
+from stages.rl.modeling import policy_folder, tokenizer_folder
+from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, verl_overrides
+from stages.rl.verl.parity import check_parity
+from stages.rl.verl.settings import SETTINGS_ENV, PluginSettings, write_settings
+
+log = get_logger(__name__)
+PLUGIN_MODULE = "stages.rl.verl.plugin"
+PARITY_PROMPTS = 4
+
+
+class VerlPluginError(RuntimeError):
+    pass
+
+
+def write_verl_parquet(rows: list[RLRow], path: Path) -> Path:
+    """Our validated rows in verl's RL schema (prompt messages, reward_model, extra_info.index, ability)."""
+    records = [{"data_source": r.data_source, "prompt": [{"content": c, "role": role} for role, c in r.prompt],
+                "ability": r.ability, "reward_model": {"ground_truth": r.ground_truth, "style": "rule"},
+                "extra_info": {"index": r.index, "need_tools_kwargs": False, "question": r.question, "split": ""},
+                "metadata": None} for r in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(records, schema=SCHEMA), tmp)
+    tmp.replace(path)
+    return path
+
+
+def plugin_env(settings_path: Path | None = None) -> dict[str, str]:
+    """The environment of verl's driver: our plugin module, the settings, this project on the path."""
+    from stages.core.env import PROJECT_ROOT
+
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    if settings_path is not None:
+        env[SETTINGS_ENV] = str(settings_path)
+    return env
+
+
+def verify_plugin(python: str = sys.executable, env: dict[str, str] | None = None) -> dict[str, bool]:
+    """Fail before Ray starts unless a fresh `import verl` under `python` sees all our registrations."""
+    proc = subprocess.run([python, "-m", "stages.rl.verl.preflight"], env=env or plugin_env(), capture_output=True,
+                          text=True, timeout=600, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise VerlPluginError(f"the verl plugin check failed under {python} (exit {proc.returncode}):\n"
+                              f"{proc.stderr[-3000:]}")
+    report = json.loads(lines[-1])
+    if not report["ok"]:
+        missing = [name for name, ok in report["found"].items() if not ok]
+        raise VerlPluginError(f"verl under {python} does not see {missing}; {report['error']}")
+    return report["found"]
+
+
+def agent_loop_yaml() -> str:
+    return f"- name: {TREE_AGENT}\n  _target_: stages.rl.verl.agent_loop.ArpoTreeAgentLoop\n"
+
+
+def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache_root: Path, seed: int,
+                    model_dir: Path) -> PluginSettings:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from stages.rl.backends.base import eos_ids_of
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        generation = GenerationConfig.from_pretrained(str(model_dir))
+    except OSError:
+        generation = None
+    return PluginSettings(rollout=cfg.rollout, agent=agent, advantage=cfg.advantage, reward=cfg.trainer.reward,
+                          seed=seed, entropy=cfg.verl.entropy, entropy_topk=cfg.verl.entropy_topk,
+                          corpus_path=agent.search.corpus_path or data.files.get("corpus"),
+                          cache_root=str(Path(cache_root).resolve()),
+                          max_concurrent_trees=cfg.verl.max_concurrent_trees,
+                          eos_token_ids=sorted(eos_ids_of(tokenizer, generation)))
+
+
+def prepare(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef, stage: Path,
+            cache_root: Path, seed: int, dtype: str) -> tuple[list[str], VerlPaths, list[RLRow]]:
+    """Write the stage's inputs and return verl's overrides (no verl import; tested on CPU)."""
+    if isinstance(policy, CheckpointRef) and policy.format == "lora":
+        raise ValueError("rl.engine=verl trains full weights; merge the LoRA adapter first (sft.finetuning_type=full "
+                         "or run the merge stage on the SFT output)")
+    model_dir = policy_folder(policy)
+    rows = read_rl_parquet(data.file("rl_train"))
+    valid = read_rl_parquet(data.file("rl_valid")) if "rl_valid" in data.files else rows[:1]
+    inputs = stage / "verl_inputs"
+    paths = VerlPaths(model=str(model_dir), train_file=str(write_verl_parquet(rows, inputs / "train.parquet")),
+                      val_file=str(write_verl_parquet(valid, inputs / "valid.parquet")),
+                      checkpoints=str(stage / "checkpoints"), settings=str(inputs / "plugin_settings.json"),
+                      agent_loops=str(write_text(inputs / "agent_loops.yaml", agent_loop_yaml())),
+                      rollout_dump=str(stage / "rollouts"), experiment=stage.name)
+    write_settings(plugin_settings(cfg, agent, data, cache_root, seed, Path(tokenizer_folder(policy))),
+                   paths.settings)
+    attempt = stage / "verl_metrics" / f"attempt_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    attempt.parent.mkdir(parents=True, exist_ok=True)
+    overrides = verl_overrides(cfg, dtype, seed, paths)
+    overrides.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={attempt}")
+    write_text(inputs / "overrides.txt", "\n".join(overrides) + "\n")
+    return overrides, paths, rows
+
+
+def latest_step(checkpoints: Path) -> int | None:
+    marker = checkpoints / "latest_checkpointed_iteration.txt"
+    return int(marker.read_text().strip()) if marker.is_file() else None
+
+
+def collect_metrics(stage: Path) -> Path:
+    """verl's file-logger rows of every attempt -> metrics.jsonl, one row per step (a resumed step's last)."""
+    rows: dict[int, dict] = {}
+    for attempt in sorted((stage / "verl_metrics").glob("attempt_*.jsonl")):
+        for line in attempt.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                rows[int(record["step"])] = {"step": int(record["step"]), **record.get("data", {})}
+    out = stage / "metrics.jsonl"
+    write_text(out, "".join(json.dumps(rows[s]) + "\n" for s in sorted(rows)))
+    return out
+
+
+def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+                stage: Path, cache_root: Path, seed: int = 0, dtype: str = "bfloat16") -> CheckpointRef:
+    overrides, paths, rows = prepare(cfg, agent, policy, data, stage, cache_root, seed, dtype)
+    env = plugin_env(Path(paths.settings))
+    found = verify_plugin(sys.executable, env)
+    parity = check_parity(str(tokenizer_folder(policy)), [r.messages for r in rows[:PARITY_PROMPTS]])
+    write_json(stage / "verl_inputs" / "preflight.json", {"registrations": found, "token_parity": parity})
+    log.info("verl: %d overrides (stage %s); plugin %s; launching verl.trainer.main_ppo", len(overrides), stage,
+             sorted(found))
+    with open(stage / "verl.log", "a") as console:
+        proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env, cwd=stage,
+                              stdout=console, stderr=subprocess.STDOUT, check=False)
+    collect_metrics(stage)
+    if proc.returncode != 0:
+        raise RuntimeError(f"verl.trainer.main_ppo exited with code {proc.returncode}; see {stage / 'verl.log'}. "
+                           "Re-running the stage resumes from the newest checkpoint")
+    step = latest_step(Path(paths.checkpoints))
+    if step is None:
+        raise RuntimeError(f"verl finished without a checkpoint in {paths.checkpoints}; set rl.trainer.save_every")
+    actor = Path(paths.checkpoints) / f"global_step_{step}" / "actor"
+    return CheckpointRef(path=str(actor), fingerprint="", format="verl_fsdp", step=step,
+                         meta={"engine": "verl", "metrics": str(stage / "metrics.jsonl"), "log": str(stage / "verl.log"),
+                               "rollouts": paths.rollout_dump})

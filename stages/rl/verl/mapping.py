@@ -1,0 +1,128 @@
+"""Our resolved config -> verl 0.9.1 hydra overrides for `python -m verl.trainer.main_ppo` (pure; table in docs/rl.md).
+
+Everything verl does not model (the rollout tree, tools, branching, AEPO, advantage options, seeds) reaches our
+plugin through the settings file (`stages.rl.verl.settings`), named by the ARPO_VERL_SETTINGS variable that this
+mapping puts into Ray's runtime environment. Keys absent from verl's ppo_trainer.yaml carry a leading `+`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from stages.core.config.rl import RLSection
+
+AGG_MODES = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
+             "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
+KL_TYPES = {"k1": "kl", "k3": "low_var_kl"}
+POLICY_LOSSES = {"ppo_dual_clip": "arpo_ppo_dual_clip", "aepo_balanced_clip": "arpo_aepo_balanced_clip"}
+ADV_ESTIMATOR = "arpo_grpo"
+TREE_AGENT = "arpo_tree"
+TRAINER_MODE = "arpo_sync"
+MANAGER_CLASS = "stages.rl.verl.agent_loop.ArpoAgentLoopManagerTQ"
+REWARD_PATH = "pkg://stages.rl.verl.reward"
+_PLAIN = re.compile(r"^[\w./:~+@-]+$")
+
+
+@dataclass(frozen=True)
+class VerlPaths:
+    model: str            # HF folder of the starting policy
+    train_file: str       # verl parquet written by the launcher
+    val_file: str
+    checkpoints: str      # trainer.default_local_dir (auto-resume looks here)
+    settings: str         # plugin settings JSON
+    agent_loops: str      # agent-loop YAML naming arpo_tree
+    rollout_dump: str     # trainer.rollout_data_dir
+    experiment: str = "arpo"
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_fmt(v) for v in value) + "]"
+    text = str(value)
+    if isinstance(value, str) and not _PLAIN.match(text):  # hydra's grammar: quote anything unusual
+        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return text
+
+
+def needs_trainer_mode(rl: RLSection) -> bool:
+    """Hard attribution and entropy-aware advantages need the tree structure and entropies, which verl's
+    advantage call does not pass to an estimator: our `arpo_sync` trainer mode computes them instead."""
+    return rl.advantage.attribution == "hard" or rl.advantage.entropy_aware
+
+
+def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> list[str]:
+    """The complete override list (no defaults of verl's that matter are left implicit)."""
+    if rl.loss.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"rl.loss.policy_loss={rl.loss.policy_loss!r} has no verl registration; the verl engine "
+                         f"supports {sorted(POLICY_LOSSES)}")
+    ro, tr, loss, opt, vs = rl.rollout, rl.trainer, rl.loss, rl.optim, rl.verl
+    actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    length = ro.max_prompt_length + ro.max_response_length
+    o: dict[str, object] = {
+        # data
+        "data.train_files": paths.train_file, "data.val_files": paths.val_file,
+        "data.train_batch_size": tr.train_batch_size, "data.max_prompt_length": ro.max_prompt_length,
+        "data.max_response_length": ro.max_response_length, "data.seed": seed, "data.shuffle": True,
+        "data.truncation": "left" if ro.prompt_overflow == "truncate_left" else "error",
+        "data.filter_overlong_prompts": ro.prompt_overflow == "skip", "data.return_raw_chat": True,
+        # model
+        "actor_rollout_ref.model.path": paths.model,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": tr.gradient_checkpointing,
+        # actor: batches (mini-batch in prompts; verl multiplies by n), loss, optimizer, FSDP
+        f"{actor}.ppo_mini_batch_size": tr.ppo_mini_batch_size, f"{actor}.ppo_epochs": tr.ppo_epochs,
+        f"{actor}.ppo_micro_batch_size_per_gpu": tr.micro_batch_size, f"{actor}.data_loader_seed": seed,
+        f"{actor}.policy_loss.loss_mode": POLICY_LOSSES[loss.policy_loss],
+        f"{actor}.clip_ratio_low": loss.clip_ratio_low, f"{actor}.clip_ratio_high": loss.clip_ratio_high,
+        f"{actor}.clip_ratio_c": loss.clip_ratio_c, f"{actor}.loss_agg_mode": AGG_MODES[loss.aggregation],
+        f"{actor}.loss_scale_factor": ro.max_response_length if loss.aggregation == "seq_mean_token_sum_norm"
+        else None,
+        f"{actor}.use_kl_loss": loss.kl_coef > 0, f"{actor}.kl_loss_coef": loss.kl_coef,
+        f"{actor}.kl_loss_type": KL_TYPES[loss.kl_type], f"{actor}.entropy_coeff": loss.entropy_coef,
+        f"{actor}.optim.lr": opt.lr, f"{actor}.optim.weight_decay": opt.weight_decay,
+        f"{actor}.optim.clip_grad": opt.grad_clip, f"{actor}.optim.betas": list(opt.betas),
+        f"{actor}.optim.lr_scheduler_type": "constant", f"{actor}.optim.lr_warmup_steps": 0,
+        f"{actor}.fsdp_config.param_offload": vs.param_offload,
+        f"{actor}.fsdp_config.optimizer_offload": vs.optimizer_offload,
+        f"{actor}.fsdp_config.dtype": dtype, f"{actor}.fsdp_config.model_dtype": "fp32",
+        # rollout: vLLM replicas, our tree agent loop through our worker/manager
+        f"{rollout}.name": "vllm", f"{rollout}.mode": "async", f"{rollout}.n": ro.n,
+        f"{rollout}.temperature": ro.temperature, f"{rollout}.top_p": ro.top_p, f"{rollout}.top_k": ro.top_k,
+        f"{rollout}.max_model_len": length, f"{rollout}.dtype": dtype, f"{rollout}.seed": seed,
+        f"{rollout}.tensor_model_parallel_size": vs.rollout_tensor_parallel,
+        f"{rollout}.gpu_memory_utilization": vs.gpu_memory_utilization,
+        f"{rollout}.calculate_log_probs": True, f"{rollout}.enable_prefix_caching": True,
+        f"{rollout}.log_prob_micro_batch_size_per_gpu": tr.micro_batch_size,
+        f"{rollout}.agent.num_workers": vs.agent_workers, f"{rollout}.agent.default_agent_loop": TREE_AGENT,
+        f"{rollout}.agent.agent_loop_config_path": paths.agent_loops,
+        f"+{rollout}.agent.agent_loop_manager_class": MANAGER_CLASS,
+        f"{rollout}.val_kwargs.n": 1,
+        # advantage and reward: ours
+        "algorithm.adv_estimator": ADV_ESTIMATOR, "algorithm.use_kl_in_reward": False,
+        "reward.custom_reward_function.path": REWARD_PATH, "reward.custom_reward_function.name": "compute_score",
+        "+reward.custom_reward_function.reward_kwargs.reward": tr.reward,
+        # trainer: size, steps, checkpoints (auto-resume from the newest global_step_*), logging
+        "trainer.nnodes": vs.nnodes, "trainer.n_gpus_per_node": vs.n_gpus_per_node,
+        "trainer.use_v1": True, "trainer.v1.trainer_mode": TRAINER_MODE if needs_trainer_mode(rl) else "sync",
+        "trainer.total_epochs": tr.epochs, "trainer.total_training_steps": tr.total_steps,
+        "trainer.save_freq": tr.save_every, "trainer.max_actor_ckpt_to_keep": tr.keep_checkpoints,
+        "trainer.default_local_dir": paths.checkpoints, "trainer.resume_mode": "auto",
+        "trainer.rollout_data_dir": paths.rollout_dump if tr.dump_rollouts else None,
+        "trainer.logger": list(vs.logger), "trainer.project_name": "arpo-pipeline",
+        "trainer.experiment_name": paths.experiment, "trainer.val_before_train": False, "trainer.test_freq": -1,
+        "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_SETTINGS": paths.settings,
+        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": "stages.rl.verl.plugin",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_ENTROPY": vs.entropy,
+    }
+    if vs.max_token_len_per_gpu:
+        o |= {f"{actor}.use_dynamic_bsz": True, f"{actor}.ppo_max_token_len_per_gpu": vs.max_token_len_per_gpu,
+              f"{rollout}.log_prob_max_token_len_per_gpu": 2 * vs.max_token_len_per_gpu}
+    if loss.kl_coef > 0:
+        o["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = tr.micro_batch_size
+    if vs.ray_address:
+        o["+ray_kwargs.ray_init.address"] = vs.ray_address
+    return [f"{k}={_fmt(v)}" for k, v in o.items()] + list(vs.extra_overrides)

@@ -1,0 +1,224 @@
+"""One prompt's rollout tree over verl's LLM-server API, with our unchanged RolloutEngine (no verl import here).
+
+verl's agent loops are coroutines on a Ray actor's event loop; our RolloutEngine is synchronous. The tree runs in
+a worker thread; `ServerBackend.generate` submits each round's requests to the event loop
+(`asyncio.run_coroutine_threadsafe`) and waits for them, so a round's generations run concurrently on the server.
+Every request of one tree carries the same request id: verl's load balancer routes by request id, so all roots,
+branches and rounds hit one vLLM replica and its prefix cache serves the shared prompt and branch prefixes (the
+role `fork` / `prefill` play in our transformers backend; here they are no-ops, as in our vLLM backend).
+
+verl's server reports only the sampled ids, their log-probs and 'completed' / 'aborted', so the finish reason is
+read off the ids: EOS when the last id is an EOS id, `stop` when a stop tag ends the decoded tail, else `length`.
+
+Entropy for branching (docs/rl.md): `surprisal` = -log p(sampled) / ln|V| from the stock server (its expectation
+under the sampling distribution is the entropy, so a window mean is an unbiased, noisier estimate); `topk` = the
+exact truncated top-k entropy computed by our vLLM server replica (stages/rl/verl/topk_server.py) and returned in
+`TokenOutput.extra_fields["arpo_entropies"]`. The local engine's transformers backend uses the full-vocabulary
+entropy and its vLLM backend the top-k one; all are divided by ln|V|.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from stages.core.config.agent import AgentSection
+from stages.core.config.rl import RolloutSection
+from stages.core.fingerprint import hash_value
+from stages.data import RLRow
+from stages.rl.backends.base import (
+    ForwardStats,
+    GenRequest,
+    GenResult,
+    SamplingSpec,
+    StopMatcher,
+    eos_ids_of,
+)
+from stages.rl.prompts import build_prompt_items
+from stages.rl.rollout import RolloutEngine
+from stages.rl.types import RolloutBatch
+from stages.rl.verl.settings import PluginSettings
+
+ENTROPY_FIELD = "arpo_entropies"   # per-token top-k entropy (nats) from our server replica
+TOPK_FIELD = "arpo_entropy_topk"   # sampling param asking our replica for it
+
+GenerateFn = Callable[..., Awaitable[Any]]  # LLMServerClient.generate(request_id, *, prompt_ids, sampling_params)
+
+
+def server_sampling_params(sampling: SamplingSpec, max_new_tokens: int, seed: int | None, entropy: str,
+                           topk: int) -> dict[str, Any]:
+    """Sampling params for verl's `generate`: passed to vLLM's SamplingParams (`logprobs` is turned into 0 =
+    the sampled token's log-prob by verl's server)."""
+    params: dict[str, Any] = {
+        "temperature": max(0.0, sampling.temperature), "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1, "max_tokens": max_new_tokens,
+        "stop": list(sampling.stop), "include_stop_str_in_output": True, "logprobs": True,
+        "skip_special_tokens": False, "repetition_penalty": 1.0,
+    }
+    if seed is not None:
+        params["seed"] = int(seed)
+    if entropy == "topk":
+        params[TOPK_FIELD] = int(topk)
+    return params
+
+
+def result_from_token_output(output: Any, stopper: StopMatcher, eos_ids: frozenset[int], vocab_size: int,
+                             entropy: str) -> GenResult:
+    """A verl `TokenOutput` (token_ids, log_probs, stop_reason, extra_fields) as our GenResult."""
+    if output.stop_reason == "aborted":
+        raise RuntimeError("verl aborted a generate request of the rollout tree (partial rollout / weight sync); "
+                           "the arpo_tree agent loop needs trainer.v1.trainer_mode sync or arpo_sync")
+    ids = [int(t) for t in output.token_ids]
+    if output.log_probs is None or len(output.log_probs) != len(ids):
+        raise RuntimeError("verl's server returned no per-token log-probs; set "
+                           "actor_rollout_ref.rollout.calculate_log_probs=true (the mapping does)")
+    logps = [float(x) for x in output.log_probs]
+    if entropy == "topk":
+        nats = (output.extra_fields or {}).get(ENTROPY_FIELD)
+        if nats is None or len(nats) != len(ids):
+            raise RuntimeError(f"rl.verl.entropy=topk but the server returned no '{ENTROPY_FIELD}'; the top-k "
+                               "replica (stages/rl/verl/topk_server.py) is not serving; check the plugin log")
+        ents = [float(h) / math.log(vocab_size) for h in nats]
+    else:
+        ents = [max(0.0, -lp) / math.log(vocab_size) if math.isfinite(lp) else 0.0 for lp in logps]
+    if ids and ids[-1] in eos_ids:
+        return GenResult(ids, logps, ents, "eos")
+    stop = stopper.match(ids)
+    return GenResult(ids, logps, ents, "stop", stop) if stop else GenResult(ids, logps, ents, "length")
+
+
+class ServerBackend:
+    """GenerationBackend over verl's `LLMServerClient.generate`, called from a thread beside the event loop."""
+
+    name = "verl-server"
+
+    def __init__(self, generate: GenerateFn, loop: asyncio.AbstractEventLoop, request_id: str, tokenizer,
+                 eos_token_ids: frozenset[int], entropy: str = "surprisal", topk: int = 10) -> None:
+        self._generate, self._loop, self.request_id = generate, loop, request_id
+        self.tokenizer, self.eos_token_ids, self.entropy, self.topk = tokenizer, eos_token_ids, entropy, topk
+        self.vocab_size = len(tokenizer)
+        self.stats = ForwardStats()
+
+    def refresh_weights(self) -> None:
+        """No-op: verl syncs the trainer's weights into its servers before each step's rollouts."""
+
+    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
+                 seed: int | None = None) -> list[GenResult]:
+        stopper = StopMatcher(self.tokenizer, tuple(sampling.stop))
+        futures = [asyncio.run_coroutine_threadsafe(self._generate(
+            self.request_id, prompt_ids=list(r.token_ids), sampling_params=server_sampling_params(
+                sampling, r.max_new_tokens, None if seed is None else seed + i, self.entropy, self.topk)),
+            self._loop) for i, r in enumerate(requests)]
+        results = []
+        for req, future in zip(requests, futures):
+            output = future.result()
+            res = result_from_token_output(output, stopper, self.eos_token_ids, self.vocab_size, self.entropy)
+            cached = int((output.extra_fields or {}).get("num_cached_tokens") or 0)
+            self.stats.prefill_tokens += len(req.token_ids) - cached
+            self.stats.reused_tokens += cached
+            self.stats.decode_tokens += len(res.token_ids)
+            self.stats.padded_tokens += len(req.token_ids) - cached + len(res.token_ids)
+            results.append(res)
+        self.stats.forward_calls += 1
+        return results
+
+    def prefill(self, items: Sequence[tuple[Hashable, list[int]]]) -> None:
+        """No-op: vLLM's prefix cache on the sticky replica shares the prompt."""
+
+    def fork(self, src: Hashable, dst: Hashable, n_tokens: int) -> None:
+        """No-op: a branch's context starts with its parent's tokens, which the prefix cache recognises."""
+
+    def release(self, keys: Iterable[Hashable] | None = None) -> None:
+        """No-op: vLLM evicts blocks itself."""
+
+
+def tree_seed(run_seed: int, global_step: int, index: int, validate: bool = False) -> int:
+    """The tree's sampling seed: a function of (run seed, step, dataset index), so a resumed verl run (which
+    replays the interrupted step's prompts) regenerates the same trees. verl's per-step `uid` is random."""
+    return int(hash_value("verl-tree", run_seed, int(global_step), int(index), bool(validate)), 16) % 2**31
+
+
+def row_from_sample(sample: dict[str, Any]) -> RLRow:
+    """Our RLRow from the dataset fields verl passes an agent loop (`raw_prompt`, `reward_model`, ...)."""
+    messages = [dict(m) for m in list(sample["raw_prompt"])]
+    pairs = tuple((str(m["role"]), str(m["content"])) for m in messages)
+    extra = dict(sample.get("extra_info") or {})
+    truth = (sample.get("reward_model") or {}).get("ground_truth")
+    question = extra.get("question") or next((c for r, c in pairs if r == "user"), "")
+    index = sample.get("index", extra.get("index", 0))
+    return RLRow(index=int(index if index is not None else 0), data_source=str(sample.get("data_source") or ""),
+                 ability=str(sample.get("ability") or ""), prompt=pairs, ground_truth=str(truth), question=question)
+
+
+def tree_rollout_section(cfg: RolloutSection, sampling_params: dict[str, Any], validate: bool,
+                         val_n: int) -> RolloutSection:
+    """The rollout settings of one tree: verl's sampling params (validation: greedy, no branching, val n)."""
+    update: dict[str, Any] = {"temperature": float(sampling_params.get("temperature", cfg.temperature)),
+                              "top_p": float(sampling_params.get("top_p", cfg.top_p)),
+                              "top_k": int(sampling_params.get("top_k", cfg.top_k))}
+    if validate:
+        update |= {"strategy": "grpo", "n": val_n, "initial_rollouts": val_n, "dynamic_rollouts": False}
+    return RolloutSection.model_validate({**cfg.model_dump(), **update})
+
+
+def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
+    """One dict of `AgentLoopOutput` fields per trajectory of a one-prompt batch, in creation order.
+
+    `extra_fields` carries the branch structure (for hard attribution), the finish reason, tool counters and the
+    row's ability (verl's reward manager merges extra_fields into `extra_info`, where our reward reads it)."""
+    if len(batch.groups) != 1:
+        raise ValueError(f"a rollout tree covers one prompt, got {len(batch.groups)} groups")
+    group = batch.groups[0]
+    index_of = {t.traj_id: i for i, t in enumerate(group.trajectories)}
+    generate_s = batch.metrics.get("time_generate_s", 0.0) / max(1, len(group.trajectories))
+    tools_s = batch.metrics.get("time_tools_s", 0.0) / max(1, len(group.trajectories))
+    outputs = []
+    for i, traj in enumerate(group.trajectories):
+        calls = sum(traj.tool_calls.values())
+        outputs.append({
+            "prompt_ids": list(traj.prompt_ids), "response_ids": list(traj.response_ids),
+            "response_mask": list(traj.loss_mask), "response_logprobs": list(traj.sample_logprobs),
+            "num_turns": 2 + 2 * calls,
+            "metrics": {"generate_sequences": generate_s, "tool_calls": tools_s},
+            "extra_fields": {
+                "ability": group.ability, "arpo_tree_index": i, "arpo_kind": traj.kind,
+                "arpo_parent": index_of.get(traj.parent_id, -1) if traj.parent_id is not None else -1,
+                "arpo_fork_at": int(traj.fork_at), "arpo_finish": traj.finish_reason,
+                "arpo_tool_calls": calls, "arpo_tool_errors": traj.tool_errors,
+                "arpo_branches": group.branches, "arpo_fresh": group.fresh,
+            },
+        })
+    return outputs
+
+
+def shared_toolbox(settings: PluginSettings):
+    """One ToolBox per process (its thread pool, sandbox pool and cache serve every tree of the worker)."""
+    return _toolbox(settings.agent.model_dump_json(), settings.corpus_path, settings.cache_root)
+
+
+@functools.lru_cache(maxsize=2)
+def _toolbox(agent_json: str, corpus_path: str | None, cache_root: str):
+    from stages.agent.toolbox import ToolBox
+
+    return ToolBox.from_config(AgentSection.model_validate_json(agent_json), corpus_path, cache_root)
+
+
+async def rollout_tree(generate: GenerateFn, tokenizer, toolbox, settings: PluginSettings, sample: dict[str, Any],
+                       sampling_params: dict[str, Any], *, global_step: int, validate: bool, val_n: int,
+                       request_id: str, executor: Executor | None = None) -> list[dict[str, Any]]:
+    """Run one prompt's tree (exactly n trajectories) and return their AgentLoopOutput fields."""
+    cfg = tree_rollout_section(settings.rollout, sampling_params, validate, val_n)
+    row = row_from_sample(sample)
+    items = build_prompt_items([row], tokenizer, cfg.max_prompt_length, cfg.prompt_overflow,
+                               source=f"verl dataset row {row.index}")
+    eos = frozenset(settings.eos_token_ids) if settings.eos_token_ids else eos_ids_of(tokenizer)
+    backend = ServerBackend(generate, asyncio.get_running_loop(), request_id, tokenizer, eos, settings.entropy,
+                            settings.entropy_topk)
+    engine = RolloutEngine(backend, toolbox, tokenizer, cfg, show_progress=False)
+    seed = tree_seed(settings.seed, global_step, row.index, validate)
+    batch = await asyncio.get_running_loop().run_in_executor(executor, lambda: engine.rollout(items, seed=seed))
+    return tree_outputs(batch)

@@ -1,0 +1,103 @@
+"""The config mapping composes with verl 0.9.1's real hydra schema (ppo_trainer.yaml) and passes verl's own
+validation and dataclass conversion, for every profile; the launcher's inputs are what verl reads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from stages.core.config import load_config, profile_names
+from stages.core.env import PROJECT_ROOT
+from stages.core.refs import DatasetRef, ModelRef
+from stages.data.rl_parquet import make_row, write_rl_parquet
+from stages.rl.verl.launch import prepare
+from stages.rl.verl.mapping import verl_overrides
+from tests.verl.conftest import compose_verl, paths
+
+pytestmark = pytest.mark.verl
+ORIGINAL = PROJECT_ROOT / "tests" / "fixtures" / "verl_fsdp_0.9.1" / "original"  # a tiny HF folder + tokenizer
+
+
+def _validate(cfg) -> None:
+    from verl.trainer.config import AlgoConfig  # noqa: F401
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    for section in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm):
+        omega_conf_to_dataclass(section)
+    assert not need_critic(cfg)
+
+
+def _profile(name: str):
+    return load_config(name, [] if load_config(name).rl.engine == "verl" else ["rl.engine=verl"])
+
+
+@pytest.mark.parametrize("profile", profile_names())
+def test_every_profile_maps_onto_verls_schema(profile, tmp_path):
+    cfg = _profile(profile)
+    rl = cfg.rl
+    composed = compose_verl(verl_overrides(rl, cfg.model.dtype, cfg.run.seed, paths(tmp_path)))
+    _validate(composed)
+    actor, rollout, trainer = composed.actor_rollout_ref.actor, composed.actor_rollout_ref.rollout, composed.trainer
+    assert (rollout.n, rollout.prompt_length, rollout.response_length) == \
+        (rl.rollout.n, rl.rollout.max_prompt_length, rl.rollout.max_response_length)
+    assert composed.data.train_batch_size == rl.trainer.train_batch_size
+    assert actor.ppo_mini_batch_size == rl.trainer.ppo_mini_batch_size  # prompts; verl multiplies by n
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == \
+        (rl.loss.clip_ratio_low, rl.loss.clip_ratio_high, rl.loss.clip_ratio_c)
+    assert actor.optim.lr == rl.optim.lr and actor.optim.lr_scheduler_type == "constant"
+    assert rollout.tensor_model_parallel_size == rl.verl.rollout_tensor_parallel
+    assert (trainer.save_freq, trainer.resume_mode, trainer.use_v1) == (rl.trainer.save_every, "auto", True)
+    assert rollout.agent.default_agent_loop == "arpo_tree"
+    assert rollout.agent.agent_loop_manager_class == "stages.rl.verl.agent_loop.ArpoAgentLoopManagerTQ"
+    assert composed.algorithm.adv_estimator == "arpo_grpo" and not composed.algorithm.use_kl_in_reward
+    assert actor.policy_loss.loss_mode == f"arpo_{rl.loss.policy_loss}"
+    aepo = rl.advantage.entropy_aware or rl.advantage.attribution == "hard"
+    assert trainer.v1.trainer_mode == ("arpo_sync" if aepo else "sync")
+    env = composed.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.VERL_USE_EXTERNAL_MODULES == "stages.rl.verl.plugin" and env.ARPO_VERL_SETTINGS
+
+
+def test_paper_profiles_resolve_to_the_verl_engine():
+    papers = [p for p in profile_names() if p != "tiny-cpu"]
+    assert papers and all(load_config(p).rl.engine == "verl" for p in papers)
+
+
+def test_launcher_inputs_compose_and_verl_reads_its_dataset(tmp_path):
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    rows = [make_row(i, "toy", "qa", "sys", f"What is {i}", str(i), "train") for i in range(4)]
+    data = DatasetRef(path=str(tmp_path), fingerprint="d", files={
+        "rl_train": str(write_rl_parquet(rows, tmp_path / "train.parquet")),
+        "rl_valid": str(write_rl_parquet(rows[:2], tmp_path / "valid.parquet"))})
+    cfg = load_config("tiny-cpu", ["rl.engine=verl", "rl.advantage.attribution=hard"])
+    stage = tmp_path / "stage"
+    overrides, p, _ = prepare(cfg.rl, cfg.agent, ModelRef(path=str(ORIGINAL), fingerprint="m"), data, stage,
+                              tmp_path / "cache", 0, "float32")
+    composed = compose_verl(overrides)
+    _validate(composed)
+    assert composed.trainer.v1.trainer_mode == "arpo_sync"
+    assert (stage / "verl_inputs" / "overrides.txt").read_text().splitlines() == overrides
+    assert Path(composed.actor_rollout_ref.rollout.agent.agent_loop_config_path).read_text().startswith(
+        "- name: arpo_tree")
+    dataset = RLHFDataset(p.train_file, AutoTokenizer.from_pretrained(str(ORIGINAL)), composed.data)
+    item = dataset[2]
+    assert item["index"] == 2 and item["raw_prompt"][-1]["content"] == "What is 2"
+    assert item["reward_model"]["ground_truth"] == "2" and item["ability"] == "qa"
+
+
+def test_prompt_template_token_ids_agree_across_environments():
+    """transformers 5.9 (this env) vs the project venv's 5.6 on the same tokenizer folder."""
+    from stages.rl.verl.parity import check_parity
+
+    main_python = PROJECT_ROOT / ".venv" / "bin" / "python"
+    if not main_python.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{main_python} is missing; ./scripts/setup.sh builds it")
+        pytest.skip("the project venv is not built here")
+    report = check_parity(str(ORIGINAL), [[{"role": "user", "content": "What is 6*7?"}]], str(main_python))
+    assert report["checked"] and report["prompts"] == 1
