@@ -29,7 +29,9 @@ PY=${PYTHON:-python3}
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/pip" install --disable-pip-version-check -q)
 quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }  # pip's noise about this box's local indexes
-echo "[setup-vllm] $flavor: pip install ${main[*]} into $VENV (first time: ~2 minutes, ~3.5 GB)"
+echo "[setup-vllm] $flavor: pip install ${main[*]} into $VENV (first time: ~3 minutes, ~3.7 GB)"
+# an earlier --no-deps install of the project would make pip report its main-venv pins as conflicts here
+"$VENV/bin/pip" uninstall --disable-pip-version-check -q -y arpo-pipeline 2>/dev/null || true
 quiet "${pip[@]}" "${main[@]}"
 quiet "${pip[@]}" -r requirements-vllm.txt "${main[@]}"  # the vLLM pins stay in the same resolution
 quiet "${pip[@]}" --no-deps -e .
