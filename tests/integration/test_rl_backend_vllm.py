@@ -60,7 +60,7 @@ def test_engine_is_vllm_token_in_token_out_with_tool_stops(probe, tokenizer) -> 
     assert tokenizer.decode(g["token_ids"]).endswith("</search>") and g["text"].endswith("</search>")
     assert len(g["token_ids"]) == len(g["logprobs"]) == len(g["entropies"]) > 0
     # the sampled ids are the model's own tokens: the trainer scores them at the log-probs vLLM reported
-    # (fp32 on both sides; measured ~1e-5, the tolerance of test_vllm_parity.py)
+    # (fp32 on both sides; measured ~1e-5, the tolerance of test_eval_vllm_parity.py)
     assert max(abs(a - b) for a, b in zip(g["logprobs"], g["trainer_logprobs"])) <= 1e-3
     # log-probs of real tokens, and the top-k entropy normalised by ln|V| lies in [0, 1]
     assert all(lp <= 0 for lp in g["logprobs"]) and all(0 <= h <= 1 for h in g["entropies"])
