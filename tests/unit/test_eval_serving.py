@@ -196,3 +196,15 @@ def test_serving_needs_starts_only_what_uncached_steps_use(monkeypatch: pytest.M
     assert (needs.policy, needs.judge) == expected
     assert seen.get("endpoint", needs.policy_endpoint) == planned_endpoint(cfg.serve, MODEL)
     assert bool(needs.missing) == any(expected)
+
+
+def test_missing_vllm_env_fails_in_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import tests.conftest as conftest
+
+    monkeypatch.setattr(conftest, "VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="setup-vllm.sh builds .venv-vllm"):
+        conftest.require_vllm_env()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="setup-vllm.sh"):
+        conftest.require_vllm_env()
