@@ -18,7 +18,7 @@ from tasks.bootstrap import bootstrap_task
 from tasks.common import run_stage
 from tasks.data import data_task
 from tasks.eval_score import report_task
-from tasks.eval_serve import judge_serve_task, serve_task, stop_task
+from tasks.eval_serve import judge_serve_task, serve_task, serving_needs_task, stop_task
 from tasks.rl import merge_task, rl_task
 from tasks.run_record import record_config_task, summary_task
 from tasks.sft import dpo_task, sft_task
@@ -62,9 +62,11 @@ def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str) -> dict[s
     """Serve the policy (and the judge), fan inference + scoring out per benchmark, report; always tear down."""
     endpoints = []
     try:
-        endpoint = serve_task(cfg.serve, model, run_dir)
+        # a cached rerun starts no server: the planned endpoints carry the identity the cache keys hash
+        needs = serving_needs_task(cfg, model, data, sorted(plan.refresh), plan.runs("score"))
+        endpoint = serve_task(cfg.serve, model, run_dir) if needs.policy else needs.policy_endpoint
         endpoints.append(endpoint)
-        judge = judge_serve_task(cfg.eval.judge, endpoint, run_dir) if plan.runs("score") else None
+        judge = judge_serve_task(cfg.eval.judge, endpoint, run_dir) if needs.judge else needs.judge_endpoint
         if judge is not None and judge.url != endpoint.url:
             endpoints.append(judge)
         fanout = FANOUT[cfg.eval.fanout](cfg)

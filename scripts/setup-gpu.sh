@@ -4,10 +4,10 @@
 # the RL stage also runs: a fresh `import verl` must see every registration of our plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+ARPO_SKIP_VLLM=1 ./scripts/setup.sh   # no .venv-vllm: .venv-verl's vLLM serves (two environments, not three)
 ./scripts/setup-verl.sh --gpu
 .venv-verl/bin/python -m stages.rl.verl.preflight
 cat <<'MSG'
 [setup-gpu] ready. Run a paper profile with:
-  .venv/bin/arpo run -p arpo-qwen2.5-7b-reasoning -o serve.vllm.executable=.venv-verl/bin/vllm
+  .venv/bin/arpo run -p arpo-qwen2.5-7b-reasoning
 MSG

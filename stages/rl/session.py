@@ -28,8 +28,10 @@ def backend_options(cfg: RLSection, model: torch.nn.Module, seed: int) -> dict[s
     """Keyword options of `load_backend` for the configured backend (both compute the same per-token entropy)."""
     entropy = TokenEntropy(cfg.rollout.entropy_quantity, cfg.rollout.entropy_topk)
     if cfg.rollout.backend == "vllm":
+        # the engine holds the trainer's dtype, so its sampling log-probs are the ones the trainer recomputes
         return {"model_path": getattr(model.config, "_name_or_path", None), "seed": seed, "entropy": entropy,
-                "max_model_len": cfg.rollout.max_prompt_length + cfg.rollout.max_response_length}
+                "max_model_len": cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
+                "engine_kwargs": {"dtype": str(model.dtype).removeprefix("torch.")}}
     return {"kv_reuse": cfg.rollout.kv_reuse, "entropy": entropy}
 
 

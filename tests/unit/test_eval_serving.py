@@ -1,5 +1,5 @@
-"""Serving pieces without a model: the vLLM command line, process-group teardown, the supervisor, backends'
-error messages, and the batched engine's per-row sampling maths."""
+"""Serving pieces without a model: the vLLM command line and environment, process-group teardown, the supervisor,
+backends' error messages, the retired cpu backend's config error, and which servers a rerun needs."""
 
 from __future__ import annotations
 
@@ -12,28 +12,42 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection, VLLMSection
+from stages.core.env import PROJECT_ROOT
 from stages.core.refs import EndpointRef, ModelRef
-from stages.eval.cpu_engine import SamplingParams, first_stop, pick_tokens
 from stages.eval.procs import free_port, group_members, kill_group, launch
-from stages.eval.serving import cpu_server_command, start_judge, start_server, stop_server
-from stages.eval.vllm_cmd import ServeError, resolve_executable, vllm_command
+from stages.eval.serving import planned_endpoint, planned_judge, start_judge, start_server, stop_server
+from stages.eval.vllm_cmd import ServeError, resolve_executable, resolve_vllm, vllm_command, vllm_env
 
-torch.set_num_threads(1)
 MODEL = ModelRef(path="/models/qwen7b", fingerprint="f" * 16, name="Qwen2.5-7B-Instruct")
 
 
 def test_vllm_command_line_carries_every_setting() -> None:
     cfg = ServeSection(backend="vllm", host="0.0.0.0", vllm=VLLMSection(
-        executable="/envs/vllm/bin/vllm", tensor_parallel_size=2, gpu_memory_utilization=0.75, max_model_len=32768,
-        extra_args=["--enforce-eager"]))
+        python="/envs/vllm/bin/python", tensor_parallel_size=2, gpu_memory_utilization=0.75, max_model_len=32768,
+        dtype="bfloat16", extra_args=["--seed", "1"]))
     assert vllm_command(cfg, "/models/qwen7b", "Qwen2.5-7B-Instruct", 8002) == [
-        "/envs/vllm/bin/vllm", "serve", "/models/qwen7b", "--host", "0.0.0.0", "--port", "8002",
-        "--served-model-name", "Qwen2.5-7B-Instruct", "--tensor-parallel-size", "2",
-        "--gpu-memory-utilization", "0.75", "--max-model-len", "32768", "--enforce-eager"]
+        "/envs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen7b",
+        "--host", "0.0.0.0", "--port", "8002", "--served-model-name", "Qwen2.5-7B-Instruct",
+        "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.75", "--max-model-len", "32768",
+        "--dtype", "bfloat16", "--generation-config", "vllm", "--seed", "1"]
+    # without a python, the `vllm` CLI; enforce_eager adds its flag before the extra arguments
+    cli = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(update={"python": None, "executable": "/x/vllm",
+                                                                     "enforce_eager": True})})
+    cmd = vllm_command(cli, "/models/qwen7b", "q", 8002)
+    assert cmd[:3] == ["/x/vllm", "serve", "/models/qwen7b"] and cmd[-3:] == ["--enforce-eager", "--seed", "1"]
+
+
+def test_tiny_profile_serves_with_vllm_cpu_settings() -> None:
+    from stages.core.config import load_config
+
+    serve = load_config("tiny-cpu").serve
+    assert serve.backend == "vllm" and serve.vllm.python == ".venv-vllm/bin/python"
+    assert (serve.vllm.dtype, serve.vllm.max_model_len, serve.vllm.enforce_eager) == ("float32", 2048, True)
+    assert vllm_env(serve, {"PATH": "/bin"}) == {"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert vllm_env(ServeSection(), {"PATH": "/bin"}) == {"PATH": "/bin"}   # no KV size: vLLM's default
 
 
 def test_vllm_settings_are_validated() -> None:
@@ -43,24 +57,23 @@ def test_vllm_settings_are_validated() -> None:
         VLLMSection(gpu_memory_utilization=1.5)
 
 
-def test_missing_vllm_executable_says_how_to_install_it(tmp_path: Path) -> None:
-    with pytest.raises(ServeError, match=r"own environment.*serve\.vllm\.executable"):
+def test_retired_cpu_backend_is_a_config_error_naming_the_replacements() -> None:
+    with pytest.raises(ValueError, match=r"retired.*serve\.backend=vllm.*serve\.backend=external"):
+        ServeSection(backend="cpu")
+
+
+def test_missing_vllm_environment_says_how_to_build_it(tmp_path: Path) -> None:
+    with pytest.raises(ServeError, match=r"setup-vllm\.sh builds \.venv-vllm"):
+        resolve_vllm(ServeSection(vllm=VLLMSection(python=str(tmp_path / "no-venv" / "bin" / "python"))))
+    with pytest.raises(ServeError, match=r"not an executable.*setup-vllm\.sh"):
         resolve_executable(str(tmp_path / "no-vllm"))
     exe = tmp_path / "vllm"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
     assert resolve_executable(str(exe)) == str(exe)
-
-
-def test_cpu_server_command(tmp_path: Path) -> None:
-    cfg = ServeSection(max_batch_size=4, batch_wait_ms=5, threads=1)
-    model = MODEL.model_copy(update={"meta": {"dtype": "bfloat16"}})
-    cmd = cpu_server_command(cfg, model, "smol", tmp_path / "port")
-    assert cmd[:3] == [sys.executable, "-m", "stages.eval.cpu_server"]
-    args = dict(zip(cmd[3::2], cmd[4::2]))
-    assert args == {"--model": "/models/qwen7b", "--served-name": "smol", "--host": "127.0.0.1", "--port": "0",
-                    "--port-file": str(tmp_path / "port"), "--max-batch-size": "4", "--batch-wait-ms": "5.0",
-                    "--prefix-cache-entries": "8", "--dtype": "bfloat16", "--threads": "1"}
+    # a relative python is the project's: .venv-vllm/bin/python -> <project>/.venv-vllm/bin/python
+    relative = ServeSection(vllm=VLLMSection(python=os.path.relpath(exe, PROJECT_ROOT)))
+    assert resolve_vllm(relative).vllm.python == str(PROJECT_ROOT / os.path.relpath(exe, PROJECT_ROOT))
 
 
 def _forking_command() -> list[str]:
@@ -125,11 +138,11 @@ def test_external_backend_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch, t
 def test_unknown_backend_lists_the_known_ones() -> None:
     from stages.eval.serving import BACKENDS
 
-    assert BACKENDS.names() == ["cpu", "external", "vllm"]
+    assert BACKENDS.names() == ["external", "vllm"]
 
 
 def test_judge_is_none_policy_or_served(tmp_path: Path) -> None:
-    policy = EndpointRef(url="http://127.0.0.1:9/v1", model="smol", meta={"pgid": 999999999, "backend": "cpu"})
+    policy = EndpointRef(url="http://127.0.0.1:9/v1", model="smol", meta={"pgid": 999999999, "backend": "vllm"})
     assert start_judge(JudgeSection(enabled=False), policy, tmp_path) is None
     judge = start_judge(JudgeSection(model="policy"), policy, tmp_path)
     assert judge.url == policy.url and judge.model == "smol" and judge.meta["shared_with"] == "policy"
@@ -140,68 +153,58 @@ def test_judge_is_none_policy_or_served(tmp_path: Path) -> None:
         start_judge(JudgeSection(model="path"), policy, tmp_path)
 
 
-# ---------------------------------------------------------------------------------- per-row sampling maths
-def test_first_stop_is_the_earliest_starting_one() -> None:
-    # "a</python>b</search>": </python> starts at 1, </search> at 11
-    assert first_stop("a</python>b</search>", ("</search>", "</python>")) == (1, "</python>")
-    assert first_stop("abc", ("</search>",)) is None
-    # two stops starting at the same index: the longer one wins
-    assert first_stop("x</answer>", ("</a", "</answer>")) == (1, "</answer>")
+def test_planned_endpoints_carry_what_the_started_ones_would() -> None:
+    # the identity stage keys hash: served name, weights fingerprint, sampling extras (vllm: yes; external: opt-in)
+    planned = planned_endpoint(ServeSection(served_name="smol"), MODEL)
+    assert (planned.model, planned.model_fingerprint, planned.meta["sampling_extras"]) == ("smol", "f" * 16, True)
+    assert "pgid" not in planned.meta and planned.meta["planned"] is True     # nothing to stop
+    stop_server(planned)
+    external = planned_endpoint(ServeSection(backend="external", url="http://h/v1"), MODEL)
+    assert external.model == "Qwen2.5-7B-Instruct" and external.meta["sampling_extras"] is False
+    assert planned_judge(JudgeSection(enabled=False), planned) is None
+    assert planned_judge(JudgeSection(model="policy"), planned).meta["shared_with"] == "policy"
+    judge = planned_judge(JudgeSection(model="path", path="/models/judge72b"), planned)
+    assert judge.model == "judge72b" and judge.model_fingerprint != planned.model_fingerprint
 
 
-def pick_token(scores_V, context_T, params, generator) -> int:
-    return pick_tokens(scores_V.unsqueeze(0), [context_T], [params], [generator])[0]
+@pytest.mark.parametrize("judge, infer_done, score_done, refresh, expected", [
+    ({"enabled": False}, True, False, [], (False, False)),            # all predictions on disk, rule scoring: none
+    ({"enabled": False}, False, False, [], (True, False)),            # predictions missing: the policy server
+    ({"enabled": False}, True, True, ["infer"], (True, False)),       # refreshed inference: the policy server
+    ({"model": "policy"}, True, True, [], (False, False)),            # judged scores on disk too: none
+    ({"model": "policy"}, True, False, [], (True, True)),             # the policy judges the missing scores
+    ({"model": "policy"}, True, True, ["score"], (True, True)),
+    ({"model": "path", "path": "/m/judge"}, True, False, [], (False, True)),   # only the separate judge
+    ({"model": "path", "path": "/m/judge"}, False, False, [], (True, True)),
+])
+def test_serving_needs_starts_only_what_uncached_steps_use(monkeypatch: pytest.MonkeyPatch, judge, infer_done,
+                                                           score_done, refresh, expected) -> None:
+    from stages.core.config import load_config
+    from stages.core.refs import DatasetRef
+    from stages.eval import reuse
+
+    seen = {}
+
+    def finished_inference(cfg, agent, benchmark, model, endpoint, data, root):
+        seen["endpoint"] = endpoint
+        return "preds-fp" if infer_done else None
+
+    monkeypatch.setattr(reuse, "finished_inference", finished_inference)
+    monkeypatch.setattr(reuse, "finished_scoring", lambda cfg, name, fp, j, root: score_done and fp == "preds-fp")
+    cfg = load_config("tiny-cpu", [f"eval.judge={judge}"])
+    needs = reuse.serving_needs(cfg, MODEL, DatasetRef(path="/d", fingerprint="d" * 16), refresh, score=True)
+    assert (needs.policy, needs.judge) == expected
+    assert seen.get("endpoint", needs.policy_endpoint) == planned_endpoint(cfg.serve, MODEL)
+    assert bool(needs.missing) == any(expected)
 
 
-def test_pick_token_greedy_top_k_top_p_and_repetition_penalty() -> None:
-    scores_V = torch.tensor([2.0, 1.9, -1.0, 0.0])
-    context_T = torch.tensor([0, 3])
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    assert pick_token(scores_V, context_T, greedy, None) == 0
-    # repetition penalty 1.1 divides positive logits of seen tokens: 2.0/1.1 = 1.818 < 1.9 -> token 1
-    assert pick_token(scores_V, context_T, SamplingParams(max_tokens=1, temperature=0.0, repetition_penalty=1.1),
-                      None) == 1
-    gen = torch.Generator().manual_seed(0)
-    # top_k=1 keeps only the argmax, so sampling at any temperature returns it
-    assert all(pick_token(scores_V, context_T, SamplingParams(max_tokens=1, temperature=5.0, top_k=1), gen) == 0
-               for _ in range(20))
-    # softmax([2, 1.9, -1, 0]) = [0.497, 0.450, 0.025, 0.067]: top_p=0.4 keeps only token 0
-    assert all(pick_token(scores_V, context_T, SamplingParams(max_tokens=1, top_p=0.4), gen) == 0 for _ in range(20))
-    # min_p=0.5 keeps tokens with p >= 0.5 * 0.497: tokens 0 and 1 only
-    picks = {pick_token(scores_V, context_T, SamplingParams(max_tokens=1, min_p=0.5), gen) for _ in range(200)}
-    assert picks == {0, 1}
+def test_missing_vllm_env_fails_in_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import tests.conftest as conftest
 
-
-def test_same_seed_same_token_sequence() -> None:
-    scores_V = torch.zeros(50)  # uniform over 50 tokens
-    params = SamplingParams(max_tokens=1)
-    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    seq_a = [pick_token(scores_V, torch.tensor([1]), params, gen_a) for _ in range(10)]
-    seq_b = [pick_token(scores_V, torch.tensor([1]), params, gen_b) for _ in range(10)]
-    assert seq_a == seq_b and len(set(seq_a)) > 1
-
-
-def test_batched_rows_pick_what_each_row_picks_alone() -> None:
-    torch.manual_seed(0)
-    scores_BV = torch.randn(4, 30)
-    contexts = [torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([4, 5, 6]), torch.tensor([7])]
-    params = [SamplingParams(max_tokens=1, temperature=0.0),
-              SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=5),
-              SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=6),
-              SamplingParams(max_tokens=1, temperature=1.2, top_k=5, seed=7)]
-    seeds = [None, 5, 6, 7]
-
-    def gens():
-        return [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-
-    together = pick_tokens(scores_BV, contexts, params, gens())
-    alone = [pick_tokens(scores_BV[i:i + 1], [contexts[i]], [params[i]], [g])[0] for i, g in enumerate(gens())]
-    assert together == alone
-    assert together[0] == int(scores_BV[0].argmax())       # the greedy row takes its argmax
-
-
-@pytest.mark.parametrize("bad, message", [({"max_tokens": 0}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
-                                          ({"logprobs": 21}, "logprobs"), ({"stop": ("",)}, "stop strings")])
-def test_sampling_params_reject_bad_values(bad: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**({"max_tokens": 4} | bad))
+    monkeypatch.setattr(conftest, "VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="setup-vllm.sh builds .venv-vllm"):
+        conftest.require_vllm_env()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="setup-vllm.sh"):
+        conftest.require_vllm_env()

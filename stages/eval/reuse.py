@@ -1,0 +1,89 @@
+"""Which servers an evaluation needs, decided before anything is started: a cached rerun serves nothing.
+
+Starting vLLM costs a minute on the CPU box, and a rerun whose predictions (and judged scores) are all on disk
+needs no server at all. `serving_needs` computes the inference and scoring stage keys exactly as those stages do,
+with the *planned* endpoints (`stages.eval.serving.planned_endpoint`: the served name, model fingerprint and
+sampling extras the keys hash, no live process), and checks the stage folders' completion markers:
+- the policy server is needed when some benchmark's predictions are missing (or `infer` is refreshed), or when
+  the judge is the policy and some judged score is missing;
+- a separate judge server is needed when the judge is enabled and some judged score is missing.
+Rule-only scoring (judge off) never needs a server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from stages.core.config.agent import AgentSection
+from stages.core.config.eval import EvalSection
+from stages.core.log import get_logger
+from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
+from stages.core.workspace import MARKER
+from stages.eval.serving import planned_endpoint, planned_judge
+
+log = get_logger(__name__)
+
+
+class ServingNeeds(BaseModel):
+    """Whether to start the policy / judge servers; the planned endpoints stand in for those not started."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    policy: bool
+    judge: bool
+    policy_endpoint: EndpointRef
+    judge_endpoint: EndpointRef | None
+    missing: list[str]
+
+
+def _marker(output_root: str | Path, stage: str, key: str) -> Path:
+    return Path(output_root).resolve() / stage / key / MARKER
+
+
+def finished_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef,
+                       endpoint: EndpointRef, data: DatasetRef, output_root: str | Path) -> str | None:
+    """The fingerprint of the benchmark's complete predictions for this endpoint identity, or None."""
+    import json
+
+    from stages.eval.benchmarks import load_benchmark
+    from stages.eval.inference import STAGE, inference_key
+
+    synthetic = data.files.get("eval_test") if benchmark == "synthetic" else None
+    try:
+        loaded = load_benchmark(benchmark, cfg.data_root, cap=cfg.max_questions, synthetic_path=synthetic)
+    except (OSError, ValueError) as err:  # the inference task reports it properly
+        log.info("%s: cannot tell whether inference is cached (%s); serving", benchmark, err)
+        return None
+    marker = _marker(output_root, STAGE, inference_key(cfg, agent, benchmark, loaded.content_hash, model, endpoint,
+                                                       data))
+    return json.loads(marker.read_text())["fingerprint"] if marker.is_file() else None
+
+
+def finished_scoring(cfg: EvalSection, benchmark: str, predictions_fingerprint: str, judge: EndpointRef | None,
+                     output_root: str | Path) -> bool:
+    from stages.eval.scoring import STAGE, scoring_key
+
+    preds = PredictionsRef(path="", fingerprint=predictions_fingerprint, benchmark=benchmark)
+    return _marker(output_root, STAGE, scoring_key(cfg, preds, judge)).is_file()
+
+
+def serving_needs(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str], score: bool) -> ServingNeeds:
+    """`cfg` is the RunConfig; `refresh` the stages this run recomputes; `score` whether it scores."""
+    root = cfg.run.output_root
+    policy = planned_endpoint(cfg.serve, model)
+    judge = planned_judge(cfg.eval.judge, policy) if score else None
+    judged = judge is not None
+    missing: list[str] = []
+    for name in cfg.eval.benchmarks:
+        done = None if "infer" in refresh else finished_inference(cfg.eval, cfg.agent, name, model, policy, data,
+                                                                 root)
+        if done is None:
+            missing.append(f"infer:{name}")
+        elif judged and ("score" in refresh or not finished_scoring(cfg.eval, name, done, judge, root)):
+            missing.append(f"score:{name}")
+    need_judge = judged and bool(missing)
+    need_policy = any(m.startswith("infer:") for m in missing) or (need_judge and cfg.eval.judge.model == "policy")
+    return ServingNeeds(policy=need_policy, judge=need_judge, policy_endpoint=policy, judge_endpoint=judge,
+                        missing=missing)
