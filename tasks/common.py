@@ -13,9 +13,14 @@ from typing import Any, TypeVar
 
 from prefect import Task, task
 from prefect.cache_policies import INPUTS, CachePolicy
+from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
 
+from stages.core.errors import DeterministicError
 from stages.core.fingerprint import code_version, hash_value
+from tasks import live
+
+live.install()  # stage log lines and progress reach the current Prefect run
 
 R = TypeVar("R")
 
@@ -49,12 +54,18 @@ def stage_cache(stage: str, *packages: str) -> CachePolicy:
     return (INPUTS - "force" - "python") + StageCode(stage=stage, packages=("stages.core", *packages))
 
 
+def retryable(task_: Task, run: TaskRun, state: State) -> bool:
+    """Retry unless the error says the same inputs fail again (a config error, an alarm in rl.alarms.stop_on)."""
+    return not isinstance(state.data, DeterministicError)
+
+
 def stage_task(stage: str, *packages: str, retries: int = 1, retry_delay_seconds: float = 5,
                tags: tuple[str, ...] = (), timeout_seconds: float | None = None) -> Callable[[Callable[..., R]], Task]:
-    """Decorator for a stage task: cached by `stage_cache`, results persisted, idempotent so retried."""
+    """Decorator for a stage task: cached by `stage_cache`, results persisted, idempotent so retried (unless the
+    error is a DeterministicError)."""
     return task(name=stage, cache_policy=stage_cache(stage, *packages), persist_result=True, retries=retries,
                 retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
-                task_run_name=f"{stage}")
+                task_run_name=f"{stage}", retry_condition_fn=retryable)
 
 
 def refreshed(stage_task_: Task, refresh: bool) -> Task:

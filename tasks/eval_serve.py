@@ -20,23 +20,28 @@ from stages.core.config.serve import ServeSection
 from stages.core.refs import EndpointRef, ModelRef
 from stages.eval.serving import endpoint_info, start_judge, start_server, stop_server
 from tasks.artifacts import publish_table
+from tasks.live import follow_log, unfollow_log
 
 
 @task(name="serve", cache_policy=NO_CACHE, persist_result=False, task_run_name="serve-{cfg.backend}")
 def serve_task(cfg: ServeSection, model: ModelRef, log_dir: str) -> EndpointRef:
     endpoint = start_server(cfg, model, log_dir)
+    follow_log(endpoint.meta.get("log"), f"{cfg.backend} server")
     publish_table("serve-endpoint", [endpoint_info(endpoint)], f"{cfg.backend} server for {model.name or model.path}")
     return endpoint
 
 
 @task(name="serve-judge", cache_policy=NO_CACHE, persist_result=False)
 def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str) -> EndpointRef | None:
-    return start_judge(cfg, policy, log_dir)
+    judge = start_judge(cfg, policy, log_dir)
+    follow_log(judge.meta.get("log") if judge else None, "judge server")  # a shared or external one has no new log
+    return judge
 
 
 @task(name="stop-server", cache_policy=NO_CACHE, persist_result=False)
 def stop_task(endpoint: EndpointRef | None) -> None:
     stop_server(endpoint)
+    unfollow_log(endpoint.meta.get("log") if endpoint else None)
 
 
 @contextmanager

@@ -1,0 +1,106 @@
+"""What a stage logs and reports reaches its Prefect task run, in-process and from a child interpreter: log lines with
+their levels, the child's other output (noise summarised), a progress artifact updated to 100%, a markdown artifact
+and an event; a DeterministicError is not retried."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import pytest
+from prefect import flow, task
+
+from stages.core.config import ConfigError
+from tasks.common import call_stage, stage_task
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _prefect(prefect_harness):
+    yield
+
+
+@task(task_run_name="count-{python_label}")
+def count_task(n: int, python: str | None, python_label: str) -> int:
+    return call_stage("tests.integration.live_stage:count", python, n=n)
+
+
+@flow
+def count_flow(python: str | None, label: str) -> str:
+    state = count_task(3, python, label, return_state=True)
+    return str(state.state_details.task_run_id)
+
+
+def _read(task_run_id: str, want_events: int) -> tuple[list, list, list]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterTaskRunId,
+        LogFilter,
+        LogFilterTaskRunId,
+    )
+
+    async def main():
+        async with get_client() as client:
+            logs = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
+            artifacts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
+            for _ in range(60):  # the server stores events in batches
+                response = await client._client.post("/events/filter", json={"filter": {
+                    "event": {"prefix": ["arpo.test"]},
+                    "related": {"resources_in_roles": [[f"prefect.task-run.{task_run_id}", "task-run"]]}}})
+                events = response.json()["events"]
+                if len(events) >= want_events:
+                    break
+                await asyncio.sleep(1)
+            return logs, artifacts, events
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("python", [None, sys.executable], ids=["in-process", "child-interpreter"])
+def test_stage_logs_progress_and_artifacts_reach_the_task_run(python) -> None:
+    task_run_id = count_flow(python, "child" if python else "here")
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # logs and events go out in batches: wait for the last ones
+    EventsWorker.drain_all()
+    logs, artifacts, events = _read(task_run_id, want_events=1)
+    lines = {(log.level, log.message) for log in logs}
+    assert (logging.INFO, "counting 3 units") in lines
+    assert (logging.WARNING, "careful: unit 3 is the last") in lines
+    assert any(level == logging.INFO and message.startswith("count: 3/3 units (100%)") for level, message in lines)
+    progress = [a for a in artifacts if a.type == "progress"]
+    assert [(a.key, a.data) for a in progress] == [("progress-count", 100.0)]
+    assert progress[0].description.startswith("finished: count: 3/3 units")
+    assert [a.key for a in artifacts if a.type == "markdown"] == ["count-report"]
+    assert [e["event"] for e in events] == ["arpo.test.counted"] and events[0]["payload"] == {"n": 3}
+    if python:  # what the child printed: levels guessed, repeats and progress bars counted, not dropped
+        assert (logging.INFO, "count output | plain library line") in lines
+        assert (logging.WARNING, "count output | UserWarning: a library repeats itself") in lines
+        summary = [m for _, m in lines if "not shown" in m]
+        assert summary and "1 progress-bar refreshes" in summary[0] and "1 repeated lines" in summary[0]
+
+
+attempts: list[int] = []
+
+
+@stage_task("config-check", "stages.core", retries=2, retry_delay_seconds=0)
+def failing_task(deterministic: bool) -> None:
+    attempts.append(1)
+    raise ConfigError("bad key") if deterministic else RuntimeError("flaky")
+
+
+@flow
+def failing_flow(deterministic: bool) -> str:
+    return failing_task(deterministic, return_state=True).name
+
+
+def test_a_deterministic_error_is_not_retried() -> None:
+    attempts.clear()
+    assert failing_flow(True) == "Failed" and len(attempts) == 1
+    attempts.clear()
+    assert failing_flow(False) == "Failed" and len(attempts) == 3   # 1 + 2 retries
