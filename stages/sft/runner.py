@@ -67,7 +67,7 @@ def run_streaming(cmd: list[str], log_path: Path, cwd: Path, env: dict[str, str]
     log.info("%s: %s", what, " ".join(cmd))
     output = LineForwarder(log, what, full_log=log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", encoding="utf-8") as sink, track(what, f"{what} training", total=None) as bar:
+    with open(log_path, "a", encoding="utf-8") as sink, track(what, what, total=None) as bar:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1, errors="replace")
         assert proc.stdout is not None

@@ -1,10 +1,11 @@
 """What a stage logs and reports reaches its Prefect task run, in-process and from a child interpreter: log lines with
 their levels, the child's other output (noise summarised), a progress artifact updated to 100%, a markdown artifact
-and an event; a DeterministicError is not retried."""
+and an event; a DeterministicError is not retried; the eval table fills in as each benchmark is scored."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 
@@ -12,7 +13,9 @@ import pytest
 from prefect import flow, task
 
 from stages.core.config import ConfigError
+from stages.core.refs import ScoresRef
 from tasks.common import call_stage, stage_task
+from tasks.eval_score import scores_as_they_finish
 
 pytestmark = pytest.mark.integration
 
@@ -104,3 +107,42 @@ def test_a_deterministic_error_is_not_retried() -> None:
     assert failing_flow(True) == "Failed" and len(attempts) == 1
     attempts.clear()
     assert failing_flow(False) == "Failed" and len(attempts) == 3   # 1 + 2 retries
+
+
+@task
+def scored(benchmark: str, accuracy: float) -> ScoresRef:
+    meta = {"questions": 2, "samples_per_question": 1, "accuracy_metric": "em",
+            "metrics": {"accuracy": {"value": accuracy, "ci_low": 0.0, "ci_high": 1.0}}}
+    return ScoresRef(path=f"/scores/{benchmark}", fingerprint=benchmark, benchmark=benchmark, meta=meta)
+
+
+@flow
+def two_benchmarks() -> tuple[list[ScoresRef], str]:
+    from prefect.runtime import flow_run
+
+    futures = [scored.submit("gsm8k", 0.5), scored.submit("hotpotqa", 0.25)]
+    return scores_as_they_finish(["gsm8k", "hotpotqa"], futures), str(flow_run.get_id())
+
+
+def test_the_eval_table_fills_in_per_benchmark() -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    refs, run_id = two_benchmarks()
+    assert [r.benchmark for r in refs] == ["gsm8k", "hotpotqa"]          # in the configured order
+
+    async def versions():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["eval-scores"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+
+    tables = sorted(asyncio.run(versions()), key=lambda a: a.created)
+    # one version per finished benchmark: the first shows one scored row and one still running, the last both
+    assert [a.description for a in tables] == ["1/2 benchmarks scored", "2/2 benchmarks scored"]
+    first, last = (json.loads(a.data) for a in tables)
+    assert sorted(row["status"] for row in first) == ["running", "scored"]
+    assert [(row["benchmark"], row["accuracy"]) for row in last] == [("gsm8k", 50.0), ("hotpotqa", 25.0)]
