@@ -3,7 +3,7 @@
 Every line is kept in the subprocess's own log file; what reaches the logger (and from there the Prefect UI) is
 the readable part: each line at the level it announces (`[WARNING|...`, `ERROR`, a traceback), while the noise
 is counted instead of repeated: progress-bar refreshes, HTTP access lines, lines seen before, and plain lines
-beyond a cap. Nothing disappears silently: `summary()` (logged by `close()`, and every `summary_every_s` for
+beyond a cap; a very long line is cut. Nothing disappears silently: `summary()` (logged by `close()`, and every `summary_every_s` for
 long-lived servers) says how many lines of each kind were left out and where the full output is.
 """
 
@@ -42,8 +42,9 @@ class LineForwarder:
     """Feed it a subprocess's output line by line; it logs `<what> | <line>` to `logger` as described above."""
 
     def __init__(self, logger: logging.Logger, what: str, full_log: str | Path | None = None, max_lines: int = 300,
-                 summary_every_s: float | None = None, clock=time.monotonic) -> None:
+                 max_chars: int = 2000, summary_every_s: float | None = None, clock=time.monotonic) -> None:
         self.logger, self.what, self.full_log, self.max_lines = logger, what, full_log, max_lines
+        self.max_chars = max_chars
         self.summary_every_s, self.clock = summary_every_s, clock
         self.left_out: Counter[str] = Counter()
         self.http: Counter[str] = Counter()
@@ -86,6 +87,8 @@ class LineForwarder:
             self.left_out[f"lines over the {self.max_lines}-line cap"] += 1
             return
         self.forwarded += level < logging.WARNING
+        if len(line) > self.max_chars:  # e.g. a tokenized sample dumped as one line of ids
+            line = f"{line[:self.max_chars]} ... (+{len(line) - self.max_chars} chars)"
         self.logger.log(level, "%s | %s", self.what, line)
 
     def summary(self) -> str:

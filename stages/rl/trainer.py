@@ -148,6 +148,7 @@ class RLTrainer:
         self.device = pick_device()
         self.config_hash = hash_value(training_identity(cfg), agent, seed)
         self.resumed_from: int | None = None  # the checkpoint step this process resumed from
+        self.watch = AlarmWatch(cfg.alarms, self.path / "alarms.jsonl")  # train() reloads it at the resumed step
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def _load(self) -> tuple[ckpt.TrainerState, Path | None]:

@@ -83,7 +83,7 @@ def run_streaming(cmd: list[str], log_path: Path, cwd: Path, env: dict[str, str]
                     continue
                 log.info("%s %s", what, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                  for k, v in record.items()))
-                if "loss" in record:
+                if isinstance(record.get("loss"), float):
                     bar.note = f"loss {record['loss']:.4g}"
             code = proc.wait()
         except BaseException:

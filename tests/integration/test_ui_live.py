@@ -166,7 +166,7 @@ def test_a_bad_override_fails_once_with_the_config_error(project: dict, deployed
     assert len(flow_runs(project)) == len(before) + 1
 
 
-def page_text(url: str, profile: Path) -> str:
+def chromium(profile: Path, *args: str) -> str:
     if shutil.which("chromium") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("chromium is missing although scripts/setup.sh installs it (ARPO_WITH_BROWSER=1)")
@@ -174,13 +174,21 @@ def page_text(url: str, profile: Path) -> str:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={profile}", "--virtual-time-budget=30000", "--window-size=1600,1400"]
-    dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=300).stdout
-    return " ".join(re.sub(r"<[^>]+>", " ", dom).split())
+    return subprocess.run(["chromium", *flags, *args], capture_output=True, text=True, timeout=300).stdout
+
+
+def page_text(url: str, profile: Path) -> str:
+    return " ".join(re.sub(r"<[^>]+>", " ", chromium(profile, "--dump-dom", url)).split())
 
 
 def _rl_progress(project: dict) -> tuple[object, object, list[str]] | None:
     """(flow run, rl task run, log lines) once RL's first step is logged and its progress artifact says 50%."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        LogFilter,
+        LogFilterTaskRunId,
+    )
 
     async def read(client):
         tasks = [t for t in await client.read_task_runs() if t.name == "rl" and t.state.name == "Running"]
@@ -214,6 +222,9 @@ def test_a_running_stage_is_live_in_the_ui_and_a_killed_run_turns_crashed(projec
         assert "Running" in task_page and "RL (arpo): 1/2 steps (50%)" in task_page, task_page[:3000]
         artifact_page = page_text(f"{project['url']}/runs/task-run/{rl.id}?tab=Artifacts", tmp_path / "chromium")
         assert "progress-rl" in artifact_page, artifact_page[:3000]
+        shot = PROJECT_ROOT / "outputs" / "ui" / "task_run_live.png"   # for people: the running RL task's logs
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        chromium(tmp_path / "chromium", f"--screenshot={shot}", f"{project['url']}/runs/task-run/{rl.id}")
         os.killpg(proc.pid, signal.SIGKILL)   # the pipeline dies without a word to the server
     finally:
         if proc.poll() is None:

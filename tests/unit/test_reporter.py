@@ -156,6 +156,10 @@ def test_forwarder_logs_levels_and_summarises_noise(caplog):
                "requests (200 x1, 400 x1); last progress: 20%|##        | 2/10 [00:02<00:08]; full output in train.log")
     assert shown[6] == (logging.INFO, summary)
     assert out.last_lines(2) == '  File "a.py", line 1, in <module>\nKeyError: \'x\''
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="arpo"):
+        LineForwarder(logger, "sft", max_chars=10).feed("ERROR " + "x" * 20)   # 26 chars: 10 shown, 16 cut
+    assert caplog.records[0].getMessage() == "sft | ERROR xxxx ... (+16 chars)"
 
 
 def test_follower_reads_a_growing_file(tmp_path, caplog):
