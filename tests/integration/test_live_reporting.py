@@ -1,6 +1,7 @@
 """What a stage logs and reports reaches its Prefect task run, in-process and from a child interpreter: log lines with
 their levels, the child's other output (noise summarised), a progress artifact updated to 100%, a markdown artifact
-and an event; a DeterministicError is not retried; the eval table fills in as each benchmark is scored."""
+and an event; a DeterministicError is not retried; the eval table fills in as each benchmark is scored; an RL alarm in
+rl.alarms.stop_on publishes its alert and event, then ends the stage once."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import sys
 import pytest
 from prefect import flow, task
 
-from stages.core.config import ConfigError
+from stages.core.config import ConfigError, load_config
 from stages.core.refs import ScoresRef
 from tasks.common import call_stage, stage_task
 from tasks.eval_score import scores_as_they_finish
+from tasks.rl import rl_task
+from tests.conftest import PROJECT_ROOT
+
+CACHE = PROJECT_ROOT / ".cache"
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +41,7 @@ def count_flow(python: str | None, label: str) -> str:
     return str(state.state_details.task_run_id)
 
 
-def _read(task_run_id: str, want_events: int) -> tuple[list, list, list]:
+def _read(task_run_id: str, want_events: int, prefix: str = "arpo.test") -> tuple[list, list, list]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -52,7 +57,7 @@ def _read(task_run_id: str, want_events: int) -> tuple[list, list, list]:
                 artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
             for _ in range(60):  # the server stores events in batches
                 response = await client._client.post("/events/filter", json={"filter": {
-                    "event": {"prefix": ["arpo.test"]},
+                    "event": {"prefix": [prefix]},
                     "related": {"resources_in_roles": [[f"prefect.task-run.{task_run_id}", "task-run"]]}}})
                 events = response.json()["events"]
                 if len(events) >= want_events:
@@ -146,3 +151,39 @@ def test_the_eval_table_fills_in_per_benchmark() -> None:
     first, last = (json.loads(a.data) for a in tables)
     assert sorted(row["status"] for row in first) == ["running", "scored"]
     assert [(row["benchmark"], row["accuracy"]) for row in last] == [("gsm8k", 50.0), ("hotpotqa", 25.0)]
+
+
+def test_an_alarm_in_stop_on_ends_rl_once_after_its_alert(tiny_model, synthetic_data, tmp_path) -> None:
+    # entropy (normalised, <= 1) is always under a floor of 10: entropy_collapse fires at step 1 and, being in
+    # stop_on, ends the stage before step 1 is saved; the rl task (retries=1) must not run it again
+    cfg = load_config("tiny-cpu", ["rl.rollout.n=2", "rl.rollout.initial_rollouts=1", "rl.trainer.train_batch_size=1",
+                                   "rl.trainer.ppo_mini_batch_size=1", "rl.trainer.micro_batch_size=2",
+                                   "rl.rollout.max_response_length=16", "rl.rollout.call_limit=1",
+                                   "rl.trainer.total_steps=2", "rl.alarms.entropy_floor=10",
+                                   "rl.alarms.stop_on=[entropy_collapse]"])
+
+    @flow
+    def rl_flow() -> tuple[str, str]:
+        state = rl_task(cfg.rl, cfg.agent, tiny_model, synthetic_data, str(tmp_path), str(CACHE), return_state=True)
+        return state.name, str(state.state_details.task_run_id)
+
+    state, task_run_id = rl_flow()
+    assert state == "Failed"
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+
+    async def run_count():
+        async with get_client() as client:
+            return (await client.read_task_run(task_run_id)).run_count
+
+    assert asyncio.run(run_count()) == 1
+    _, artifacts, events = _read(task_run_id, want_events=1, prefix="arpo.rl.alarm")
+    alert = next(a for a in artifacts if a.key == "rl-alarms")
+    assert "| 1 | **entropy_collapse** |" in alert.data and "| stop |" in alert.data
+    assert [(e["event"], e["payload"]["stops_run"]) for e in events] == [("arpo.rl.alarm.entropy_collapse", True)]
+    stage = next((tmp_path / "rl").iterdir())
+    assert not list((stage / "checkpoints").glob("step_*"))       # the alarmed step was not saved
+    assert [json.loads(line)["name"] for line in (stage / "alarms.jsonl").read_text().splitlines()] == \
+        ["entropy_collapse"]
