@@ -56,5 +56,6 @@ def scores_as_they_finish(benchmarks: list[str], futures: list[PrefectFuture]) -
     done: dict[str, dict[str, Any]] = {}
     for future in as_completed(futures):
         done[names[future]] = future.result().meta
-        publish_table("eval-scores", progress_rows(benchmarks, done), f"{len(done)}/{len(benchmarks)} benchmarks scored")
+        publish_table("eval-scores", progress_rows(benchmarks, done),
+                      f"{len(done)}/{len(benchmarks)} benchmarks scored")
     return [future.result() for future in futures]

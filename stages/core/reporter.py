@@ -106,7 +106,8 @@ class Tracker:
                  report_every_s: float = 2.0, log_every_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  on_update: Callable[[float, float | None], None] | None = None) -> None:
         self.key, self.what, self.total, self.done, self.unit = key, what, total, done, unit
-        self.report_every_s, self.log_every_s, self.clock, self.on_update = report_every_s, log_every_s, clock, on_update
+        self.report_every_s, self.log_every_s = report_every_s, log_every_s
+        self.clock, self.on_update = clock, on_update
         self.note = ""
         self._start, self._start_done = clock(), done
         self._last_report = self._last_log = -math.inf

@@ -3,8 +3,9 @@
 Every line is kept in the subprocess's own log file; what reaches the logger (and from there the Prefect UI) is
 the readable part: each line at the level it announces (`[WARNING|...`, `ERROR`, a traceback), while the noise
 is counted instead of repeated: progress-bar refreshes, HTTP access lines, lines seen before, and plain lines
-beyond a cap; a very long line is cut. Nothing disappears silently: `summary()` (logged by `close()`, and every `summary_every_s` for
-long-lived servers) says how many lines of each kind were left out and where the full output is.
+beyond a cap; a very long line is cut. Nothing disappears silently: `summary()` (logged by `close()`, and every
+`summary_every_s` for long-lived servers) says how many lines of each kind were left out and where the full output
+is.
 """
 
 from __future__ import annotations

@@ -153,7 +153,8 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
 
         try:
             with open(folder / PARTIAL, "a", encoding="utf-8") as handle, track(  # noqa: ASYNC230
-                    f"infer-{name}", f"infer {name}", total=len(todo) + len(done), done=len(done), unit="samples") as bar:
+                    f"infer-{name}", f"infer {name}", total=len(todo) + len(done), done=len(done),
+                    unit="samples") as bar:
                 for next_row in asyncio.as_completed([one(item, s) for item, s in todo]):
                     row = await next_row
                     if row is not None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.automations import crash_silent_runs
 from stages.core.env import PROJECT_ROOT
 from tests.conftest import TEST_OUTPUTS
 
@@ -196,7 +197,8 @@ def _rl_progress(project: dict) -> tuple[object, object, list[str]] | None:
             return None
         rl = tasks[0]
         logs = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[rl.id])))
-        progress = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-rl"])))
+        progress = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-rl"])))
         if not any(a.task_run_id == rl.id and a.data == 50.0 for a in progress):
             return None
         return await client.read_flow_run(rl.flow_run_id), rl, [log.message for log in logs]
@@ -206,6 +208,9 @@ def _rl_progress(project: dict) -> tuple[object, object, list[str]] | None:
 
 def test_a_running_stage_is_live_in_the_ui_and_a_killed_run_turns_crashed(project: dict, deployed: dict,
                                                                           tmp_path: Path) -> None:
+    # `arpo deploy` installed the crash automation with its default of 180 s; the test waits for it, so it asks for
+    # 90 s (three missed heartbeats) before the run starts: the automation only follows runs it saw beating
+    crash_silent_runs(f"{project['url']}/api", 90)
     command = "exec arpo run " + shlex.join(RL_RUN)
     proc = project["shell"](command, start_new_session=True)
     try:
@@ -216,10 +221,11 @@ def test_a_running_stage_is_live_in_the_ui_and_a_killed_run_turns_crashed(projec
         assert seen is not None, (proc.poll(), proc.stdout.read() if proc.poll() is not None else "")
         run, rl, lines = seen
         assert any(line.startswith("RL (arpo): 1/2 steps (50%)") for line in lines), lines  # the ETA line
-        # Freeze the run mid-stage so the pages below show it running, whatever the box's speed.
+        # Freeze the run mid-stage so the pages below show it running, whatever the box's speed. (If the freeze
+        # outlasts the 90 s the flow run may already turn Crashed; the task run stays Running.)
         os.killpg(proc.pid, signal.SIGSTOP)
         task_page = page_text(f"{project['url']}/runs/task-run/{rl.id}", tmp_path / "chromium")
-        assert "Running" in task_page and "RL (arpo): 1/2 steps (50%)" in task_page, task_page[:3000]
+        assert "Running" in task_page and "RL (arpo): 1/2 steps (50%)" in task_page, task_page[:3000]  # the task
         artifact_page = page_text(f"{project['url']}/runs/task-run/{rl.id}?tab=Artifacts", tmp_path / "chromium")
         assert "progress-rl" in artifact_page, artifact_page[:3000]
         shot = PROJECT_ROOT / "outputs" / "ui" / "task_run_live.png"   # for people: the running RL task's logs
@@ -231,7 +237,7 @@ def test_a_running_stage_is_live_in_the_ui_and_a_killed_run_turns_crashed(projec
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     state = None
-    deadline = time.monotonic() + 600           # heartbeats every 30 s; the automation waits 180 s
+    deadline = time.monotonic() + 600           # heartbeats every 30 s; the automation waits 90 s
     while time.monotonic() < deadline and state != "Crashed":
         time.sleep(10)
         state = api(project, lambda client: client.read_flow_run(run.id)).state.name

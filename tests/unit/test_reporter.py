@@ -150,7 +150,8 @@ def test_forwarder_logs_levels_and_summarises_noise(caplog):
     shown = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert shown[:6] == [(logging.WARNING, "sft | [WARNING|x] slow tokenizer"), (logging.INFO, "sft | first"),
                          (logging.INFO, "sft | second"), (logging.ERROR, "sft | Traceback (most recent call last):"),
-                         (logging.ERROR, 'sft |   File "a.py", line 1, in <module>'), (logging.ERROR, "sft | KeyError: 'x'")]
+                         (logging.ERROR, 'sft |   File "a.py", line 1, in <module>'),
+                         (logging.ERROR, "sft | KeyError: 'x'")]
     # "third" is over the 2-line cap (warnings and errors never are); one warning was a repeat; bars and requests
     summary = ("sft: not shown: 2 progress-bar refreshes, 1 repeated lines, 1 lines over the 2-line cap, 2 HTTP "
                "requests (200 x1, 400 x1); last progress: 20%|##        | 2/10 [00:02<00:08]; full output in train.log")
