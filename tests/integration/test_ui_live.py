@@ -178,8 +178,14 @@ def chromium(profile: Path, *args: str) -> str:
     return subprocess.run(["chromium", *flags, *args], capture_output=True, text=True, timeout=300).stdout
 
 
-def page_text(url: str, profile: Path) -> str:
-    return " ".join(re.sub(r"<[^>]+>", " ", chromium(profile, "--dump-dom", url)).split())
+def page_text(url: str, profile: Path, expect: tuple[str, ...] = (), tries: int = 3) -> str:
+    """The page's text once it shows every `expect`ed string. The UI fills its lists by later requests that a
+    loaded box may not answer within one headless load ("Waiting for logs..."), so up to `tries` loads."""
+    for _ in range(tries):
+        text = " ".join(re.sub(r"<[^>]+>", " ", chromium(profile, "--dump-dom", url)).split())
+        if all(e in text for e in expect):
+            break
+    return text
 
 
 def _rl_progress(project: dict) -> tuple[object, object, list[str]] | None:
@@ -224,9 +230,11 @@ def test_a_running_stage_is_live_in_the_ui_and_a_killed_run_turns_crashed(projec
         # Freeze the run mid-stage so the pages below show it running, whatever the box's speed. (If the freeze
         # outlasts the 90 s the flow run may already turn Crashed; the task run stays Running.)
         os.killpg(proc.pid, signal.SIGSTOP)
-        task_page = page_text(f"{project['url']}/runs/task-run/{rl.id}", tmp_path / "chromium")
-        assert "Running" in task_page and "RL (arpo): 1/2 steps (50%)" in task_page, task_page[:3000]  # the task
-        artifact_page = page_text(f"{project['url']}/runs/task-run/{rl.id}?tab=Artifacts", tmp_path / "chromium")
+        want = ("Running", "RL (arpo): 1/2 steps (50%)")    # the task run's state and its ETA log line
+        task_page = page_text(f"{project['url']}/runs/task-run/{rl.id}", tmp_path / "chromium", want)
+        assert all(w in task_page for w in want), task_page[:3000]
+        artifact_page = page_text(f"{project['url']}/runs/task-run/{rl.id}?tab=Artifacts", tmp_path / "chromium",
+                                  ("progress-rl",))
         assert "progress-rl" in artifact_page, artifact_page[:3000]
         shot = PROJECT_ROOT / "outputs" / "ui" / "task_run_live.png"   # for people: the running RL task's logs
         shot.parent.mkdir(parents=True, exist_ok=True)
