@@ -28,6 +28,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="arpo-bench-"))
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp / "prefect-results")
     configure_environment()
+    os.environ.setdefault("PREFECT_API_URL", "")  # ephemeral unless set (else prefect.toml's project server)
     from flows.pipeline import pipeline
 
     overrides = [f"run.output_root={tmp / 'outputs'}", *args.override]

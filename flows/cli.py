@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tomllib
 
 from stages.core.env import PROJECT_ROOT, configure_environment
 
-UI_PORT = 4200
+DEFAULT_PORT = 4200
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     server = sub.add_parser("server", help="the local Prefect server (web UI at http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])
-    server.add_argument("--port", type=int, default=UI_PORT)
+    server.add_argument("--port", type=int, default=None, help="default: the port of prefect.toml's api.url (4200)")
+    server.add_argument("--crash-after", type=int, default=None, metavar="SECONDS",
+                        help="mark a flow run Crashed after this long without a heartbeat (default "
+                             "180; 0 = never)")
     server.set_defaults(handler=cmd_server)
 
     stages = sub.add_parser("stages", help="list the pipeline stages in order")
@@ -90,9 +94,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_server(args: argparse.Namespace) -> int:
     from stages.core import services
 
-    url = f"http://127.0.0.1:{args.port}"
+    url = f"http://127.0.0.1:{args.port or default_port()}"
     if args.action == "start":
-        service = start_prefect_server(args.port)
+        service = start_prefect_server(args.port, args.crash_after)
         print(f"Prefect UI: {service.url}   (log: {service.log}; stop with `arpo server stop`)")
     elif args.action == "stop":
         print("stopped" if services.stop("prefect-server") else "not running")
@@ -102,27 +106,58 @@ def cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_prefect_server(port: int = UI_PORT):
+def start_prefect_server(port: int | None = None, crash_after: int | None = None):
+    """Start the local server (or find it running); a fresh one gets the automation that marks flow runs without
+    heartbeats Crashed (flows/automations.py)."""
+    from flows.automations import CRASH_AFTER_S, crash_silent_runs
     from stages.core import services
 
+    port = port or default_port()
     url = f"http://127.0.0.1:{port}"
+    running = services.load("prefect-server")
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     # The web UI asks the API at PREFECT_SERVER_UI_API_URL, which otherwise defaults to port 4200 (or to a
     # PREFECT_API_URL inherited from the shell): on any other port the page would load and show nothing.
     env = {"PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
            "PREFECT_SERVER_UI_API_URL": f"{url}/api", "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
-    return services.start("prefect-server", cmd, health_url=f"{url}/api/health", url=url, timeout=180, env=env)
+    service = services.start("prefect-server", cmd, health_url=f"{url}/api/health", url=url, timeout=180, env=env)
+    after = CRASH_AFTER_S if crash_after is None else crash_after
+    if running is None and after:
+        crash_silent_runs(f"{service.url}/api", after)
+    return service
 
 
-def use_local_server_if_running() -> str | None:
+def project_api_url() -> str | None:
+    """The API URL in the project's prefect.toml: what `prefect` commands typed in the project folder talk to."""
+    path = PROJECT_ROOT / "prefect.toml"
+    if not path.is_file():
+        return None
+    return tomllib.loads(path.read_text()).get("api", {}).get("url")
+
+
+def default_port() -> int:
+    """The port of prefect.toml's api.url, so `arpo server start` serves where `prefect` commands look."""
+    from urllib.parse import urlparse
+
+    url = project_api_url()
+    return (urlparse(url).port if url else None) or DEFAULT_PORT
+
+
+def use_local_server_if_running(ephemeral: bool = False) -> str | None:
+    """Point this process at the project's server when one answers (PREFECT_API_URL, the server `arpo server`
+    started, or prefect.toml's URL); else at an ephemeral one for this run (an empty PREFECT_API_URL, which also
+    overrides prefect.toml). Returns the server's URL, or None for ephemeral."""
     from stages.core import services
 
-    if os.environ.get("PREFECT_API_URL"):
+    if not ephemeral and os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"].removesuffix("/api")
-    service = services.load("prefect-server")
-    if service and services.healthy(f"{service.url}/api/health"):
-        os.environ["PREFECT_API_URL"] = f"{service.url}/api"
-        return service.url
+    service = None if ephemeral else services.load("prefect-server")
+    candidates = [] if ephemeral else [f"{service.url}/api" if service else None, project_api_url()]
+    for api in filter(None, candidates):
+        if services.healthy(f"{api}/health"):
+            os.environ["PREFECT_API_URL"] = api
+            return api.removesuffix("/api")
+    os.environ["PREFECT_API_URL"] = ""
     return None
 
 
@@ -137,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from stages.eval.benchmarks import check_benchmarks
 
         check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root)  # and on missing benchmark files
-    ui = None if args.ephemeral else use_local_server_if_running()
+    ui = use_local_server_if_running(ephemeral=args.ephemeral)
     import torch
 
     torch.set_num_threads(cfg.run.torch_threads or free_cpu_threads())

@@ -14,7 +14,7 @@ from stages.core.plan import StageName, make_plan
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from tasks.common import submit_stage
 from tasks.eval_infer import infer_task
-from tasks.eval_score import score_task
+from tasks.eval_score import score_task, scores_as_they_finish
 
 
 @flow(name="evaluate", log_prints=True)
@@ -27,7 +27,8 @@ def evaluate_benchmarks(cfg: RunConfig, model: ModelRef, data: DatasetRef, endpo
     if not score:
         return {"infer": [p.result() for p in predictions]}
     scores = [submit_stage(score_task, plan, "score", cfg.eval, p, judge, root, cache) for p in predictions]
-    return {"infer": [p.result() for p in predictions], "score": [s.result() for s in scores]}
+    done = scores_as_they_finish(cfg.eval.benchmarks, scores)  # the eval table fills in as each one finishes
+    return {"infer": [p.result() for p in predictions], "score": done}
 
 
 def _with_ray(cfg: RunConfig) -> Flow:

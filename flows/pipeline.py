@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow
 
 from flows.evaluate import FANOUT
-from stages.core.config import load_config
+from stages.core.config import Override, Profile, load_config
 from stages.core.plan import StageName, make_plan
 from stages.eval.benchmarks import check_benchmarks
 from tasks.bootstrap import bootstrap_task
@@ -25,8 +25,8 @@ from tasks.sft import dpo_task, sft_task
 
 
 @flow(name="arpo-pipeline", log_prints=True)
-def pipeline(profile: str = "tiny-cpu", overrides: list[str] | None = None, only: list[StageName] | None = None,
-             until: StageName | None = None, refresh: list[StageName] | None = None,
+def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = None,
+             only: list[StageName] | None = None, until: StageName | None = None, refresh: list[StageName] | None = None,
              refresh_from: StageName | None = None) -> dict[str, Any]:
     """profile: configs/profiles/<name>.yaml; overrides: key.sub=value; only/until: which stages run (upstream
     comes from cache); refresh / refresh_from: recompute these stages (and, for refresh_from, all after it)."""

@@ -1,4 +1,7 @@
-"""Publishing to the Prefect UI. Outside a flow run these are no-ops, so stages stay testable alone."""
+"""Publishing to the Prefect UI. Outside a flow run these are no-ops, so stages stay testable alone.
+
+The synchronous implementations are forced (`_sync=True`): a stage may report from inside an event loop (inference),
+where Prefect would otherwise hand back an un-awaited coroutine."""
 
 from __future__ import annotations
 
@@ -6,7 +9,11 @@ import base64
 from pathlib import Path
 from typing import Any
 
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
 from prefect.context import get_run_context
 
 
@@ -18,19 +25,19 @@ def _in_run() -> bool:
         return False
 
 
-def _key(text: str) -> str:
+def artifact_key(text: str) -> str:
     # artifact keys: lowercase letters, numbers, dashes
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
 def publish_table(key: str, rows: list[dict[str, Any]], description: str = "") -> None:
     if _in_run() and rows:
-        create_table_artifact(table=rows, key=_key(key), description=description)
+        create_table_artifact(table=rows, key=artifact_key(key), description=description, _sync=True)
 
 
 def publish_markdown(key: str, markdown: str, description: str = "") -> None:
     if _in_run():
-        create_markdown_artifact(markdown=markdown, key=_key(key), description=description)
+        create_markdown_artifact(markdown=markdown, key=artifact_key(key), description=description, _sync=True)
 
 
 def publish_image(key: str, png: str | Path, description: str = "") -> None:
@@ -43,4 +50,4 @@ def publish_image(key: str, png: str | Path, description: str = "") -> None:
 
 def publish_link(key: str, link: str, description: str = "") -> None:
     if _in_run():
-        create_link_artifact(link=link, key=_key(key), description=description)
+        create_link_artifact(link=link, key=artifact_key(key), description=description, _sync=True)

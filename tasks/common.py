@@ -20,8 +20,11 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from stages.core.errors import InputError
+from stages.core.errors import DeterministicError
 from stages.core.fingerprint import code_version, hash_value
+from tasks import live
+
+live.install()  # stage log lines and progress reach the current Prefect run
 
 R = TypeVar("R")
 
@@ -55,21 +58,22 @@ def stage_cache(stage: str, *packages: str) -> CachePolicy:
     return (INPUTS - "force" - "python") + StageCode(stage=stage, packages=("stages.core", *packages))
 
 
-def retry_unless_input_error(task_: Task, task_run: TaskRun, state: State) -> bool:
-    """Prefect `retry_condition_fn`: retry a failure unless it is an InputError (deterministic)."""
+def retryable(task_: Task, task_run: TaskRun, state: State) -> bool:
+    """Prefect `retry_condition_fn`: retry unless the error says the same inputs fail again (a config or data
+    error, an alarm in rl.alarms.stop_on)."""
     failure = state.data
     if isinstance(failure, State):  # the task returned a failed state instead of raising
         failure = failure.data
-    return not isinstance(failure, InputError)
+    return not isinstance(failure, DeterministicError)
 
 
 def stage_task(stage: str, *packages: str, retries: int = 1, retry_delay_seconds: float = 5,
                tags: tuple[str, ...] = (), timeout_seconds: float | None = None) -> Callable[[Callable[..., R]], Task]:
-    """Decorator for a stage task: cached by `stage_cache`, results persisted, idempotent so retried (transient
-    failures only: `retry_unless_input_error`)."""
+    """Decorator for a stage task: cached by `stage_cache`, results persisted, idempotent so retried (unless the
+    error is a DeterministicError)."""
     return task(name=stage, cache_policy=stage_cache(stage, *packages), persist_result=True, retries=retries,
-                retry_delay_seconds=retry_delay_seconds, retry_condition_fn=retry_unless_input_error,
-                tags=list(tags), timeout_seconds=timeout_seconds, task_run_name=f"{stage}")
+                retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
+                task_run_name=f"{stage}", retry_condition_fn=retryable)
 
 
 def refreshed(stage_task_: Task, refresh: bool) -> Task:

@@ -7,12 +7,13 @@ from typing import Any
 
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
+from prefect.futures import PrefectFuture, as_completed
 
 from stages.core.config.eval import EvalSection
 from stages.core.fingerprint import hash_value
 from stages.core.refs import EndpointRef, PredictionsRef, Ref, ScoresRef
 from stages.eval.judge import PROMPT_HASH, judge_identity
-from stages.eval.report import build_report
+from stages.eval.report import build_report, progress_rows
 from stages.eval.scoring import score_predictions
 from tasks.artifacts import publish_markdown, publish_table
 from tasks.common import stage_cache, stage_task
@@ -47,3 +48,14 @@ def report_task(cfg: EvalSection, scores: list[ScoresRef], output_root: str, for
     with open(ref.meta["markdown"], encoding="utf-8") as handle:
         publish_markdown("eval-report-md", handle.read(), "Evaluation report with published numbers")
     return ref
+
+
+def scores_as_they_finish(benchmarks: list[str], futures: list[PrefectFuture]) -> list[ScoresRef]:
+    """Wait for the score tasks, republishing the `eval-scores` table each time a benchmark is scored."""
+    names = dict(zip(futures, benchmarks))
+    done: dict[str, dict[str, Any]] = {}
+    for future in as_completed(futures):
+        done[names[future]] = future.result().meta
+        publish_table("eval-scores", progress_rows(benchmarks, done),
+                      f"{len(done)}/{len(benchmarks)} benchmarks scored")
+    return [future.result() for future in futures]

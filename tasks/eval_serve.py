@@ -22,6 +22,7 @@ from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from stages.eval.reuse import ServingNeeds, serving_needs
 from stages.eval.serving import endpoint_info, start_judge, start_server, stop_server
 from tasks.artifacts import publish_table
+from tasks.live import follow_log, unfollow_log
 
 
 @task(name="serving-needs", cache_policy=NO_CACHE, persist_result=False)
@@ -36,18 +37,22 @@ def serving_needs_task(cfg: Any, model: ModelRef, data: DatasetRef, refresh: lis
 @task(name="serve", cache_policy=NO_CACHE, persist_result=False, task_run_name="serve-{cfg.backend}")
 def serve_task(cfg: ServeSection, model: ModelRef, log_dir: str) -> EndpointRef:
     endpoint = start_server(cfg, model, log_dir)
+    follow_log(endpoint.meta.get("log"), f"{cfg.backend} server")
     publish_table("serve-endpoint", [endpoint_info(endpoint)], f"{cfg.backend} server for {model.name or model.path}")
     return endpoint
 
 
 @task(name="serve-judge", cache_policy=NO_CACHE, persist_result=False)
 def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str) -> EndpointRef | None:
-    return start_judge(cfg, policy, log_dir)
+    judge = start_judge(cfg, policy, log_dir)
+    follow_log(judge.meta.get("log") if judge else None, "judge server")  # a shared or external one has no new log
+    return judge
 
 
 @task(name="stop-server", cache_policy=NO_CACHE, persist_result=False)
 def stop_task(endpoint: EndpointRef | None) -> None:
     stop_server(endpoint)
+    unfollow_log(endpoint.meta.get("log") if endpoint else None)
 
 
 @contextmanager

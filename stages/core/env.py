@@ -33,6 +33,10 @@ def local_environment(project_root: Path = PROJECT_ROOT, cache_root: str | Path 
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
         "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
+        # flow runs beat every 30 s; the server marks one silent for longer Crashed (flows/automations.py)
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+        # a run without a server starts an ephemeral one; on a loaded 2-core box that takes longer than 20 s
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_TMPDIR": str(Path("/tmp") / f"arpo-ray-{os.getuid()}"),

@@ -1,16 +1,24 @@
-"""Errors that say "fix your input": a bad config, a missing or malformed data file.
+"""Errors that a retry cannot fix.
 
-They are deterministic (the same inputs fail the same way), so the task layer never retries them
-(`tasks.common.retry_unless_input_error`) and the CLI prints only their message. Each subclasses the builtin a
-caller would catch anyway (`ValueError`, `FileNotFoundError`, `KeyError`), so existing handlers keep working.
-Raise them for problems of the user's config and data only; a flaky network, a crashed server or an exhausted
-GPU is not an input error and stays retryable.
+A stage task is retried when it fails (a server hiccup, a killed worker), but some failures come back on every
+attempt with the same inputs: a bad config, a missing or malformed data file, a collapse alarm configured to stop
+the run. Those subclass `DeterministicError`, and the task layer's retry condition (`tasks.common.retryable`) fails
+them at once, so the UI shows the error once instead of after every retry.
+
+`InputError` is the "fix your input" kind: the CLI prints only its message (no traceback). Its subclasses also
+subclass the builtin a caller would catch anyway (`ValueError`, `FileNotFoundError`), so existing handlers keep
+working. Raise them for problems of the user's config and data only; a flaky network, a crashed server or an
+exhausted GPU is not deterministic and stays retryable.
 """
 
 from __future__ import annotations
 
 
-class InputError(Exception):
+class DeterministicError(Exception):
+    """The same inputs raise it again: never retried."""
+
+
+class InputError(DeterministicError):
     """The config or the data is wrong; rerunning with the same inputs cannot succeed."""
 
 

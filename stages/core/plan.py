@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from stages.core.errors import DeterministicError
+
 STAGES: tuple[str, ...] = ("bootstrap", "data", "sft", "rl", "merge", "infer", "score", "report")
 GROUPS: dict[str, tuple[str, ...]] = {"eval": ("infer", "score", "report")}
 StageName = Literal["bootstrap", "data", "sft", "rl", "merge", "eval", "infer", "score", "report"]
 
 
-class PlanError(ValueError):
+class PlanError(ValueError, DeterministicError):
     pass
 
 

@@ -20,8 +20,9 @@ from stages.core.atomic import write_json, write_jsonl
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import EvalSection
 from stages.core.fingerprint import code_version, hash_value
-from stages.core.log import get_logger, progress
+from stages.core.log import get_logger
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
+from stages.core.reporter import track
 from stages.core.workspace import stage_dir
 from stages.eval.agent_loop import LoopSettings, SampleState, run_sample
 
@@ -163,14 +164,15 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
                                           name, loaded.content_hash, failures)
 
         try:
-            with open(folder / PARTIAL, "a", encoding="utf-8") as handle, progress() as bar:  # noqa: ASYNC230
-                task = bar.add_task(f"infer {name}", total=len(todo) + len(done), completed=len(done))
+            with open(folder / PARTIAL, "a", encoding="utf-8") as handle, track(  # noqa: ASYNC230
+                    f"infer-{name}", f"infer {name}", total=len(todo) + len(done), done=len(done),
+                    unit="samples") as bar:
                 for next_row in asyncio.as_completed([one(item, s) for item, s in todo]):
                     row = await next_row
                     if row is not None:
                         append_row(handle, row)
                         done[(row["id"], row["sample"])] = row
-                    bar.advance(task)
+                    bar.advance()
         finally:
             await close_quietly(box, client)
     if failures:

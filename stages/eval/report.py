@@ -84,6 +84,20 @@ def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame,
     return rows
 
 
+def progress_rows(benchmarks: list[str], summaries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The eval table while it fills in: a row per configured benchmark, its headline numbers once scored."""
+    rows = []
+    for name in benchmarks:
+        summary = summaries.get(name)
+        if summary is None:
+            rows.append({"benchmark": name, "status": "running"})
+            continue
+        metrics = {k: round(100 * v["value"], 2) for k, v in summary["metrics"].items()}
+        rows.append({"benchmark": name, "status": "scored", "questions": summary["questions"],
+                     "samples": summary["samples_per_question"], "metric": summary["accuracy_metric"], **metrics})
+    return rows
+
+
 def _published(reference: pd.DataFrame, summary: dict[str, Any], setting: str | None
                ) -> tuple[dict[str, float], dict[str, Any]]:
     """({"paper accuracy" | "paper pass@k": value} for entries measuring what our column measures,

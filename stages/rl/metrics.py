@@ -1,4 +1,4 @@
-"""Per-step metrics, collapse alarms, rollout dumps and training curves.
+"""Per-step metrics, rollout dumps and training curves (collapse alarms: stages/rl/alarms.py).
 
 metrics.jsonl holds exactly one row per completed step. A step is complete when its checkpoint is written (the
 row is also stored inside the checkpoint), so after a crash `reconcile_metrics` rewrites the file to the rows of
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,55 +69,6 @@ def _group_rows(batch: RolloutBatch) -> list[list[int]]:
         rows.append(list(range(start, start + len(group.trajectories))))
         start += len(group.trajectories)
     return rows
-
-
-@dataclass(frozen=True)
-class AlarmRules:
-    """When to raise a collapse alarm (a logged warning plus `alarm/<name>` = 1 in the metrics row)."""
-
-    tool_drop_ratio: float = 0.1      # tool calls/traj below this fraction of their best earlier value ...
-    tool_min_peak: float = 0.5        # ... once that best value was at least this
-    entropy_drop_ratio: float = 0.1   # mean token entropy below this fraction of the first step's
-    entropy_floor: float = 1e-3       # or below this absolute (normalised) value
-    reward_drop: float = 0.5          # mean reward this far below its best earlier value
-    no_signal_patience: int = 3       # steps in a row where every group had identical rewards
-
-
-def detect_alarms(history: list[dict[str, Any]], rules: AlarmRules = AlarmRules()) -> list[str]:
-    """Alarm names for the last row of `history` (all rows so far, oldest first)."""
-    if not history:
-        return []
-    now, earlier = history[-1], history[:-1]
-    alarms = []
-    tool_peak = max((r.get("tools/calls_per_traj", 0.0) for r in earlier), default=0.0)
-    if tool_peak >= rules.tool_min_peak and now.get("tools/calls_per_traj", 0.0) < rules.tool_drop_ratio * tool_peak:
-        alarms.append("tool_collapse")
-    if "entropy/mean" in now:
-        first = history[0].get("entropy/mean", now["entropy/mean"])
-        if now["entropy/mean"] < rules.entropy_floor or (earlier and now["entropy/mean"] < rules.entropy_drop_ratio
-                                                          * first):
-            alarms.append("entropy_collapse")
-    reward_peak = max((r.get("reward/mean", -1.0) for r in earlier), default=None)
-    if reward_peak is not None and now.get("reward/mean", 0.0) < reward_peak - rules.reward_drop:
-        alarms.append("reward_collapse")
-    recent = history[-rules.no_signal_patience:]
-    if len(recent) == rules.no_signal_patience and all(r.get("reward/groups_without_signal", 0.0) == 1.0
-                                                       for r in recent):
-        alarms.append("reward_no_signal")
-    return alarms
-
-
-def apply_alarms(history: list[dict[str, Any]], rules: AlarmRules = AlarmRules()) -> list[str]:
-    """Detect alarms for the last row, flag them in it and log a warning per alarm."""
-    alarms = detect_alarms(history, rules)
-    row = history[-1]
-    row["alarm"] = float(bool(alarms))
-    for name in alarms:
-        row[f"alarm/{name}"] = 1.0
-        log.warning("step %s: %s (reward %.3f, tool calls/traj %.2f, entropy %.4f)", row.get("step"), name,
-                    row.get("reward/mean", float("nan")), row.get("tools/calls_per_traj", float("nan")),
-                    row.get("entropy/mean", float("nan")))
-    return alarms
 
 
 def append_metrics(path: Path, row: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 Per step: the next `train_batch_size` prompts -> rollouts (RolloutEngine: tools, branching) -> rewards ->
 old log-probs, entropies (and reference log-probs when kl_coef > 0) -> advantages -> ppo_epochs x mini-batches
-of micro-batches -> metrics row, rollout dump, alarms -> checkpoint every `save_every` steps and at the end.
+of micro-batches -> metrics row, rollout dump, alarms (stages/rl/alarms.py) -> checkpoint every `save_every` steps
+and at the end; progress, curves and a rollout sample are reported while it runs (stages.core.reporter).
 
 Resume: `run_rl` re-run on the same inputs lands in the same stage folder; the trainer loads the newest complete
 checkpoint (weights, optimizer, RNG states, step / data position), rewrites metrics.jsonl to the steps that
@@ -21,23 +22,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.core import reporter
+from stages.core.atomic import read_jsonl
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.config.rl_engine import local_engine_problem
 from stages.core.fingerprint import code_version, hash_value
-from stages.core.log import get_logger, progress
+from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.workspace import stage_dir
 from stages.data import RLRow, read_rl_parquet
 from stages.rl import checkpoint as ckpt
+from stages.rl.alarms import AlarmWatch
 from stages.rl.metrics import (
-    AlarmRules,
     append_metrics,
-    apply_alarms,
     dump_rollouts,
     plot_curves,
     reconcile_metrics,
     rollout_metrics,
+    rollout_sample_markdown,
 )
 from stages.rl.modeling import (
     compute_dtype,
@@ -73,7 +76,7 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     from stages.rl.engines import RL_ENGINES, engine_version
 
     engine = RL_ENGINES.get(cfg.engine)
-    key = hash_value(cfg, agent, policy.fingerprint, data.fingerprint, seed, dtype,
+    key = hash_value(training_identity(cfg), agent, policy.fingerprint, data.fingerprint, seed, dtype,
                      code_version("stages.rl", "stages.agent"), engine_version(cfg.engine))
     out = stage_dir(output_root, "rl", key, force=force)
     if not out.complete:
@@ -81,6 +84,8 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
         content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
         out.finish(content=content, final=result.path, steps=result.step, format=result.format,
                    meta=result.meta)
+    elif out.marker().get("format", "trainer") == "trainer":  # trained before (another run's Prefect cache):
+        publish_results(cfg, out.path, read_jsonl(out.path / "metrics.jsonl"))  # show its curves here too
     marker = out.marker()
     return CheckpointRef(path=marker["final"], fingerprint=out.fingerprint, format=marker.get("format", "trainer"),
                          base=base_model(policy), step=int(marker["steps"]),
@@ -106,6 +111,24 @@ def run_local(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoint
     return CheckpointRef(path=str(final), fingerprint="", format="trainer", step=trainer.total_steps,
                          meta={"metrics": str(stage / "metrics.jsonl"), "curves": str(stage / "curves.png"),
                                "rollouts": str(stage / "rollouts")})
+
+
+def training_identity(cfg: RLSection) -> dict[str, Any]:
+    """What the trained weights depend on: the RL section without the watching settings (alarm thresholds and
+    stop list, artifact refresh), so changing those neither recomputes the stage nor refuses its checkpoints."""
+    return cfg.model_dump(mode="json", exclude={"alarms": True, "trainer": {"report_every"}})
+
+
+def publish_results(cfg: RLSection, folder: Path, history: list[dict[str, Any]]) -> None:
+    """Curves and the newest rollout sample, to whoever watches (refreshed every trainer.report_every steps)."""
+    if not history:
+        return
+    step = history[-1]["step"]
+    reporter.image("rl-curves", plot_curves(history, folder / "curves.png"),
+                   f"{cfg.algorithm}: reward, accuracy, entropy, tool calls (step {step})")
+    if cfg.trainer.dump_rollouts:
+        reporter.markdown("rl-rollouts", rollout_sample_markdown(folder / "rollouts"),
+                          f"{cfg.algorithm}: sample of the rollouts of step {step}")
 
 
 def passthrough(policy: ModelRef | CheckpointRef) -> CheckpointRef:
@@ -152,19 +175,19 @@ def make_optimizer(model: torch.nn.Module, cfg: RLSection) -> torch.optim.Optimi
 
 class RLTrainer:
     def __init__(self, cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
-                 stage_path: Path, cache_root: Path, seed: int = 0, alarms: AlarmRules | None = None,
-                 toolbox: Any = None, dtype: str = "float32") -> None:
+                 stage_path: Path, cache_root: Path, seed: int = 0, toolbox: Any = None,
+                 dtype: str = "float32") -> None:
         self.cfg, self.agent, self.policy, self.data, self.toolbox = cfg, agent, policy, data, toolbox
         self.path, self.cache_root, self.seed = Path(stage_path), Path(cache_root), seed
-        self.alarms = alarms or AlarmRules()
         self.rows: list[RLRow] = read_rl_parquet(data.file("rl_train"))
         self.steps_per_epoch, self.total_steps = plan_steps(len(self.rows), cfg)
         self.ckpt_root = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"
         self.device = pick_device()
         self.dtype = compute_dtype(dtype)
-        self.config_hash = hash_value(cfg, agent, seed)
+        self.config_hash = hash_value(training_identity(cfg), agent, seed)
         self.resumed_from: int | None = None  # the checkpoint step this process resumed from
+        self.watch = AlarmWatch(cfg.alarms, self.path / "alarms.jsonl")  # train() reloads it at the resumed step
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def _load(self) -> tuple[ckpt.TrainerState, Path | None]:
@@ -201,17 +224,22 @@ class RLTrainer:
 
     def train(self) -> Path:
         state, latest = self._load()
+        if latest is not None:
+            log.info("rl: resuming from checkpoint step %d of %d (%s)", state.step, self.total_steps, latest)
         history = reconcile_metrics(self.metrics_path, state.step, state.metrics if latest else None)
+        self.watch = AlarmWatch(self.cfg.alarms, self.path / "alarms.jsonl", resumed_step=state.step)
         pad_id = self.tokenizer.pad_token_id
         session = RolloutSession(self.cfg, self.agent, self.model, self.tokenizer, self.data, self.cache_root,
                                  self.seed, self.toolbox)
         try:
-            with progress() as bar:
-                task = bar.add_task(f"RL ({self.cfg.algorithm})", total=self.total_steps, completed=state.step)
+            with reporter.track("rl", f"RL ({self.cfg.algorithm})", total=self.total_steps, done=state.step) as bar:
                 while state.step < self.total_steps:
                     row = self.step(state, session, pad_id, history)
                     history.append(row)
-                    bar.advance(task)
+                    bar.update(state.step, note=f"reward {row['reward/mean']:.3f}, tools/traj "
+                                                f"{row['tools/calls_per_traj']:.2f}")
+                    if state.step % self.cfg.trainer.report_every == 0 or state.step == self.total_steps:
+                        publish_results(self.cfg, self.path, history)
         finally:
             session.close()
         final = self._final_checkpoint(state, latest)
@@ -259,7 +287,7 @@ class RLTrainer:
                **rollout_metrics(rollouts, rewards), **self._tensor_metrics(tensors), **update}
         self._dump(state.step, rollouts, rewards, tensors)
         row |= {f"timing/{k}_s": v for k, v in times.items()}
-        apply_alarms([*history, row], self.alarms)
+        self.watch.check([*history, row])  # may stop the run before this step is saved
         t0 = time.perf_counter()
         state.metrics = row
         if state.step % self.cfg.trainer.save_every == 0 or state.step == self.total_steps:
@@ -299,4 +327,4 @@ class RLTrainer:
                       per_traj)
 
 
-__all__ = ["RLTrainer", "passthrough", "plan_steps", "rollout_seed", "run_local", "run_rl"]
+__all__ = ["RLTrainer", "passthrough", "plan_steps", "rollout_seed", "run_local", "run_rl", "training_identity"]

@@ -1,4 +1,4 @@
-"""Run LLaMA-Factory as a subprocess: stream its output into our logs and a progress bar, keep a full log file,
+"""Run LLaMA-Factory as a subprocess: stream its output into our logs and a progress report, keep a full log file,
 raise with the log's last lines on failure, and find the checkpoint a crashed run resumes from."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import re
 import shutil
 import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 from stages.core.atomic import write_yaml
-from stages.core.log import get_logger, progress
+from stages.core.log import get_logger
+from stages.core.reporter import track
+from stages.core.streams import LineForwarder
 
 log = get_logger(__name__)
 
@@ -61,12 +62,12 @@ def parse_log_dict(line: str) -> dict[str, Any] | None:
 
 
 def run_streaming(cmd: list[str], log_path: Path, cwd: Path, env: dict[str, str], what: str) -> None:
-    """Run `cmd`, tee its merged output into `log_path`, log loss lines, drive a progress bar."""
+    """Run `cmd`, tee its merged output into `log_path`, log loss lines and forward the rest with levels
+    (stages.core.streams: noise counted, not repeated), report the trainer's step bar as progress with an ETA."""
     log.info("%s: %s", what, " ".join(cmd))
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    output = LineForwarder(log, what, full_log=log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", encoding="utf-8") as sink, progress() as bar:
-        task = bar.add_task(what, total=None)
+    with open(log_path, "a", encoding="utf-8") as sink, track(what, what, total=None) as bar:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1, errors="replace")
         assert proc.stdout is not None
@@ -74,30 +75,26 @@ def run_streaming(cmd: list[str], log_path: Path, cwd: Path, env: dict[str, str]
             for line in proc.stdout:  # text mode turns tqdm's \r refreshes into lines
                 sink.write(line)
                 line = line.rstrip()
-                if not line:
-                    continue
                 if (match := _BAR.match(line)) is not None:
-                    bar.update(task, completed=int(match.group(1)), total=int(match.group(2)))
-                    continue
-                if is_progress_line(line):
-                    continue
-                tail.append(line)
+                    bar.update(int(match.group(1)), int(match.group(2)))
                 record = parse_log_dict(line)
-                if record is not None:
-                    log.info("%s %s", what, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                     for k, v in record.items()))
-                elif "Error" in line or "error:" in line or "Traceback" in line:
-                    log.warning("%s | %s", what, line)
-                else:
-                    log.debug("%s | %s", what, line)
+                if record is None:
+                    output.feed(line)
+                    continue
+                log.info("%s %s", what, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                 for k, v in record.items()))
+                if isinstance(record.get("loss"), float):
+                    bar.note = f"loss {record['loss']:.4g}"
             code = proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
             raise
+        finally:
+            output.close()
     if code != 0:
         raise LlamaFactoryError(f"{what} failed (exit code {code}): {' '.join(cmd)}\n"
-                                f"last lines of {log_path}:\n" + "\n".join(tail))
+                                f"last lines of {log_path}:\n" + output.last_lines(TAIL_LINES))
 
 
 def run_config(args: dict[str, Any], yaml_path: Path, cmd: list[str], log_path: Path, env: dict[str, str],

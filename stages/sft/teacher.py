@@ -19,7 +19,8 @@ from typing import Any
 from stages.agent.prompts import build_messages
 from stages.agent.protocol import ToolCall, check_format, render_result
 from stages.core.atomic import read_jsonl
-from stages.core.log import get_logger, progress
+from stages.core.log import get_logger
+from stages.core.reporter import track
 
 log = get_logger(__name__)
 
@@ -146,8 +147,7 @@ def build_trajectories(tasks: Iterable[dict[str, Any]], run_tool: RunTool, docs:
     rng = random.Random(seed)
     report = TeacherReport()
     tasks = list(tasks)
-    with progress() as bar:
-        job = bar.add_task("teacher trajectories", total=min(limit, len(tasks)))
+    with track("sft-teacher", "teacher trajectories", total=min(limit, len(tasks)), unit="trajectories") as bar:
         for task in tasks:
             if len(report.rows) >= limit:
                 break
@@ -167,7 +167,7 @@ def build_trajectories(tasks: Iterable[dict[str, Any]], run_tool: RunTool, docs:
                                                   {"from": "gpt", "value": text}],
                                 "system": system["content"], "id": task["id"], "answer": str(task["answer"])})
             report.by_kind[task["kind"]] = report.by_kind.get(task["kind"], 0) + 1
-            bar.advance(job)
+            bar.advance()
     if report.dropped:
         log.warning("teacher: left out %d tasks whose tool output did not support the answer, e.g. %s",
                     len(report.dropped), report.dropped[0])

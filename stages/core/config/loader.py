@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, StringConstraints, ValidationError
 
 from stages.core.config.root import RunConfig
 from stages.core.errors import BadInputError
@@ -72,6 +72,15 @@ def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
 
 def profile_names(config_dir: Path = CONFIG_DIR) -> list[str]:
     return sorted(p.stem for p in (config_dir / "profiles").glob("*.yaml"))
+
+
+# Flow parameters are typed with these, so the UI's run form offers the shipped profiles as choices and refuses
+# a malformed override before a run starts; a profile outside configs/profiles/ is given as a .yaml path.
+ProfileName = Literal[tuple(profile_names())]  # type: ignore[valid-type]
+ProfilePath = Annotated[str, StringConstraints(pattern=r"\.ya?ml$")]
+Profile = ProfileName | ProfilePath
+Override = Annotated[str, StringConstraints(pattern=r"^\s*[A-Za-z_][\w-]*(\.[\w-]+)*\s*="),
+                     Field(description="key.sub=value, e.g. rl.rollout.n=8 (value parsed as YAML)")]
 
 
 def load_config(profile: str = "tiny-cpu", overrides: list[str] | tuple[str, ...] = (),

@@ -97,6 +97,36 @@ class OptimSection(Section):
     betas: tuple[float, float] = (0.9, 0.999)
 
 
+AlarmName = Literal["tool_collapse", "entropy_collapse", "format_errors_rising", "reward_at_floor",
+                   "no_signal_groups", "reward_collapse", "nonfinite_loss"]
+
+
+class AlarmSection(Section):
+    """Collapse alarms, checked after every RL step (stages/rl/alarms.py): a warning in the log, `alarm/<name>` in
+    metrics.jsonl, a Prefect event `arpo.rl.alarm.<name>` and the `rl-alarms` artifact; `stop_on` ends the run."""
+
+    enabled: bool = True
+    stop_on: tuple[AlarmName, ...] = Field(
+        ("nonfinite_loss",), description="alarms that stop the run (a non-retried error; the step is not saved); "
+        "[] = only warn")
+    tool_drop_ratio: float = Field(0.1, ge=0, description="tool_collapse: tool calls per trajectory below this "
+                                   "fraction of their best earlier value, once that was >= tool_min_peak")
+    tool_min_peak: float = Field(0.5, ge=0)
+    entropy_drop_ratio: float = Field(0.1, ge=0, description="entropy_collapse: mean token entropy below this "
+                                      "fraction of the first step's, or below entropy_floor")
+    entropy_floor: float = Field(1e-3, ge=0)
+    format_error_rise: float = Field(0.3, ge=0, description="format_errors_rising: the format-error rate averaged "
+                                     "over the last `window` steps this much above the lowest earlier such average")
+    reward_floor: float = Field(-1.0, description="reward_at_floor: the lowest reward the reward function gives "
+                                "(-1 = format error under the reference reward) ...")
+    reward_floor_tol: float = Field(0.02, ge=0, description="... mean reward within this of it for `window` steps")
+    no_signal_fraction: float = Field(0.8, ge=0, le=1, description="no_signal_groups: this fraction of groups or "
+                                      "more had all-equal rewards (zero advantage) for `window` steps in a row")
+    reward_drop: float = Field(0.5, ge=0, description="reward_collapse: mean reward this far below its best earlier "
+                               "value")
+    window: int = Field(3, ge=1, description="steps the sustained alarms look at (format errors, floor, no signal)")
+
+
 class TrainerSection(Section):
     total_steps: int | None = Field(None, ge=1, description="None = epochs over the train set")
     epochs: int = 2
@@ -105,6 +135,8 @@ class TrainerSection(Section):
     micro_batch_size: int = Field(4, ge=1, description="trajectories per forward/backward")
     ppo_epochs: int = 1
     save_every: int = Field(5, ge=1)
+    report_every: int = Field(1, ge=1, description="refresh the curves and rollout-sample artifacts every N steps "
+                              "(and at the last step)")
     keep_checkpoints: int = Field(1, ge=1, description="complete checkpoints kept (older ones are deleted); "
                                   "the newest is the one a crashed run resumes from")
     reward: str = Field("reference", description="reward registry name: reference | math_equiv")
@@ -144,6 +176,7 @@ class RLSection(Section):
     advantage: AdvantageSection = AdvantageSection()
     loss: LossSection = LossSection()
     optim: OptimSection = OptimSection()
+    alarms: AlarmSection = AlarmSection()
     trainer: TrainerSection = TrainerSection()
 
     @model_validator(mode="before")

@@ -1,0 +1,84 @@
+"""Project-level Prefect settings: prefect.toml is what a fresh shell in the repo reads, it agrees with the CLI, the
+heartbeat settings agree everywhere, `arpo run` falls back to an ephemeral server, and flow parameters are typed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import yaml
+
+from flows import cli
+from flows.automations import CRASH_AFTER_S, HEARTBEAT_S, crash_silent_runs
+from stages.core.config import profile_names
+from stages.core.env import PROJECT_ROOT, local_environment
+from stages.core.plan import GROUPS, STAGES
+
+TOML = tomllib.loads((PROJECT_ROOT / "prefect.toml").read_text())
+
+
+def test_prefect_toml_names_the_server_arpo_starts():
+    assert TOML["api"]["url"] == f"http://127.0.0.1:{cli.DEFAULT_PORT}/api"
+    assert cli.project_api_url() == TOML["api"]["url"] and cli.default_port() == cli.DEFAULT_PORT
+
+
+def test_a_fresh_shell_in_the_repo_reads_prefect_toml(tmp_path):
+    code = "from prefect.settings import get_current_settings as s; print(s().api.url, s().flows.heartbeat_frequency)"
+    out = subprocess.run(["env", "-i", f"HOME={tmp_path}", "PATH=/usr/bin:/bin", sys.executable, "-c", code],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out == [TOML["api"]["url"], str(HEARTBEAT_S)]
+
+
+def test_every_route_beats_at_the_same_rate():
+    deployments = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
+    pools = deployments["definitions"]["work_pools"].values()
+    assert {pool["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] for pool in pools} == {str(HEARTBEAT_S)}
+    assert local_environment()["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_S)
+    assert TOML["flows"]["heartbeat_frequency"] == HEARTBEAT_S
+    assert CRASH_AFTER_S >= 4 * HEARTBEAT_S
+    with pytest.raises(ValueError, match="would crash healthy runs"):
+        crash_silent_runs("http://127.0.0.1:1/api", 2 * HEARTBEAT_S)
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    from stages.core import services
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr(services, "load", lambda name: None)
+    monkeypatch.setattr(services, "healthy", lambda url, timeout=2.0: False)
+    return services
+
+
+def test_without_a_server_arpo_run_goes_ephemeral(no_server, monkeypatch):
+    # an empty PREFECT_API_URL beats prefect.toml's URL: the run gets an ephemeral server instead of an error
+    assert cli.use_local_server_if_running() is None
+    assert os.environ["PREFECT_API_URL"] == ""
+
+
+def test_the_project_server_is_used_when_it_answers(no_server, monkeypatch):
+    monkeypatch.setattr(no_server, "healthy", lambda url, timeout=2.0: url == f"{TOML['api']['url']}/health")
+    assert cli.use_local_server_if_running() == TOML["api"]["url"].removesuffix("/api")
+    assert os.environ["PREFECT_API_URL"] == TOML["api"]["url"]
+    # --ephemeral wins over a server that answers
+    assert cli.use_local_server_if_running(ephemeral=True) is None and os.environ["PREFECT_API_URL"] == ""
+
+
+def test_flow_parameters_offer_choices():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import pipeline
+
+    props = parameter_schema(pipeline).model_dump()["properties"]
+    assert props["profile"]["anyOf"][0]["enum"] == profile_names()
+    assert props["profile"]["anyOf"][1]["pattern"] == r"\.ya?ml$"          # or a profile file
+    assert set(props["until"]["anyOf"][0]["enum"]) == set(STAGES) | set(GROUPS)
+    assert set(props["only"]["anyOf"][0]["items"]["enum"]) == set(STAGES) | set(GROUPS)
+    assert props["overrides"]["anyOf"][0]["items"]["pattern"].startswith("^")
+    with pytest.raises(Exception, match="tiny-cpu"):
+        pipeline.validate_parameters({"profile": "tiny-cpuu"})
+    with pytest.raises(Exception, match="should match pattern"):
+        pipeline.validate_parameters({"overrides": ["rl.rollout.n 8"]})
