@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 from stages.core.env import PROJECT_ROOT, configure_environment
@@ -18,15 +19,28 @@ TEST_OUTPUTS = PROJECT_ROOT / ".cache" / "test-outputs"
 VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
 
 
-def require_vllm_env() -> Path:
-    """The vLLM environment's python. Missing: a skip on a developer box, a failure in CI (CI=true), where
-    scripts/test.sh builds it (scripts/setup-vllm.sh), so a missing one is a broken set-up, not an optional part."""
-    if VLLM_PYTHON.is_file():
-        return VLLM_PYTHON
-    why = f"{VLLM_PYTHON} is missing: ./scripts/setup-vllm.sh builds .venv-vllm (./scripts/test.sh runs it)"
+def missing_setup(why: str) -> None:
+    """Something the set-up installs is missing: a skip on a developer box, a failure in CI (CI=true), where
+    scripts/test.sh installs it, so a missing one is a broken set-up, not an optional part."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(why)
     pytest.skip(why)
+
+
+def require_vllm_env() -> Path:
+    """The vLLM environment's python (scripts/setup-vllm.sh builds it)."""
+    if not VLLM_PYTHON.is_file():
+        missing_setup(f"{VLLM_PYTHON} is missing: ./scripts/setup-vllm.sh builds .venv-vllm (./scripts/test.sh runs it)")
+    return VLLM_PYTHON
+
+
+def require_chromium() -> str:
+    """Debian's chromium for the headless UI checks (scripts/setup.sh installs it with ARPO_WITH_BROWSER=1)."""
+    path = shutil.which("chromium")
+    if path is None:
+        missing_setup("Debian chromium is not installed: ARPO_WITH_BROWSER=1 ./scripts/setup.sh installs it "
+                      "(./scripts/test.sh does)")
+    return str(path)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

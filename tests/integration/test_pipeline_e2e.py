@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stages.core.env import PROJECT_ROOT
+from tests.conftest import require_chromium
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 EVAL = {"infer", "score", "report"}
@@ -142,8 +142,8 @@ def test_changing_rl_recomputes_rl_and_downstream(deployed: dict) -> None:
     assert computed(states) == {"rl", "merge"} | EVAL, states
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium not installed (scripts/setup.sh)")
 def test_ui_shows_the_run_its_tasks_and_artifacts(deployed: dict, tmp_path: Path) -> None:
+    require_chromium()
     # The run page draws its task graph (task names, artifact badges) on a canvas: the screenshot shows it, the DOM
     # carries the run header. The artifacts page lists every artifact key as text.
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -30,7 +30,7 @@ import pytest
 
 from flows.automations import crash_silent_runs
 from stages.core.env import PROJECT_ROOT
-from tests.conftest import TEST_OUTPUTS
+from tests.conftest import TEST_OUTPUTS, require_chromium
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 VENV_BIN = Path(sys.executable).parent
@@ -168,10 +168,7 @@ def test_a_bad_override_fails_once_with_the_config_error(project: dict, deployed
 
 
 def chromium(profile: Path, *args: str) -> str:
-    if shutil.which("chromium") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is missing although scripts/setup.sh installs it (ARPO_WITH_BROWSER=1)")
-        pytest.skip("Debian chromium not installed (scripts/setup.sh)")
+    require_chromium()
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={profile}", "--virtual-time-budget=30000", "--window-size=1600,1400"]
