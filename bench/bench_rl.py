@@ -76,8 +76,8 @@ def train(cfg, policy, data, workdir: Path) -> list[dict]:
 def no_reuse_forward_tokens(cfg, policy, data) -> tuple[float, float]:
     """Step 1's rollout again, from the initial policy, same prompts and seed, KV reuse off."""
     from stages.data import read_rl_parquet
-    from stages.rl.modeling import load_policy, load_tokenizer
-    from stages.rl.session import RolloutSession
+    from stages.generation.models import load_policy, load_tokenizer
+    from stages.generation.session import RolloutSession
     from stages.rl.trainer import epoch_order, rollout_seed
 
     rl = cfg.rl.model_copy(update={"rollout": cfg.rl.rollout.model_copy(update={"kv_reuse": False})})

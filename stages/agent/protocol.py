@@ -85,26 +85,9 @@ def parse_tool_call(text: str, stop: str | None = None) -> ToolCall | None:
     return ToolCall(tool, segment[start + len(tool) + 2:].strip())
 
 
-def cut_at_stop(text: str, stops: tuple[str, ...] = STOP_TAGS + (ANSWER_STOP,)) -> tuple[str, str | None]:
-    """Truncate `text` right after the first stop tag; return (text, stop or None).
-
-    For servers that ignore stop sequences (ARPO eval bug 8.5.4): the client cuts the output itself.
-    """
-    hits = [(text.find(s), s) for s in stops if s in text]
-    if not hits:
-        return text, None
-    pos, stop = min(hits)
-    return text[: pos + len(stop)], stop
-
-
 def render_result(text: str) -> str:
     """The environment's insertion after a tool call, in the RL/training form (leading space, newlines)."""
     return f" <result>\n{text}\n</result>"
-
-
-def render_result_compact(text: str) -> str:
-    """The ARPO evaluation form `<result>{text}</result>` (no spaces or newlines)."""
-    return f"<result>{text}</result>"
 
 
 def _boxed_contents(text: str, openers: tuple[str, ...] = _BOX_OPENERS) -> list[str]:

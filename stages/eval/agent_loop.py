@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.agent.protocol import ANSWER_STOP, STOP_TAGS, ToolCall, cut_at_stop, parse_tool_call, render_result
+from stages.agent.protocol import ANSWER_STOP, STOP_TAGS, ToolCall, parse_tool_call, render_result
+from stages.agent.stops import cut_at_stop
 
 EVAL_STOPS: tuple[str, ...] = (*STOP_TAGS, ANSWER_STOP)
 

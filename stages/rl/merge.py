@@ -28,13 +28,8 @@ from stages.core.fingerprint import code_version, hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, ModelRef
 from stages.core.workspace import stage_dir
-from stages.rl.modeling import (
-    DTYPES,
-    load_policy,
-    load_tokenizer,
-    pick_device,
-    policy_folder,
-)
+from stages.generation.models import load_policy, load_tokenizer, policy_folder
+from stages.rl.modeling import DTYPES, pick_device
 from stages.rl.probe import max_abs_diff, probe_logprobs, probe_sequences, read_probe
 
 log = get_logger(__name__)

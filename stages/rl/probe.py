@@ -14,7 +14,7 @@ import torch
 
 from stages.core.atomic import write_json
 from stages.rl.logprobs import collate, policy_forward
-from stages.rl.types import Trajectory
+from stages.generation.types import Trajectory
 
 PROBE_FILE = "probe.json"
 PROBE_TEXTS = (

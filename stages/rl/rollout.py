@@ -30,7 +30,7 @@ import numpy as np
 from stages.agent.protocol import STOP_TAGS, ToolCall, parse_tool_call, render_result
 from stages.core.config.rl import RolloutSection
 from stages.core.log import get_logger, progress
-from stages.rl.backends.base import (
+from stages.generation.base import (
     GenerationBackend,
     GenRequest,
     GenResult,
@@ -38,15 +38,15 @@ from stages.rl.backends.base import (
 )
 from stages.rl.branching import fresh_to_add, plan_branches
 from stages.rl.entropy import EntropyWindow, delta_entropy
-from stages.rl.prompts import PromptItem
-from stages.rl.rollout_state import (
+from stages.generation.prompts import PromptItem
+from stages.generation.rollout_state import (
     GroupState,
     LiveTrajectory,
     to_batch,
     trajectory_metrics,
 )
 from stages.rl.strategies import get_strategy
-from stages.rl.types import RolloutBatch, Trajectory
+from stages.generation.types import RolloutBatch, Trajectory
 
 log = get_logger(__name__)
 

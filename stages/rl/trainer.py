@@ -42,19 +42,18 @@ from stages.rl.metrics import (
     rollout_metrics,
     rollout_sample_markdown,
 )
+from stages.generation.models import load_policy, load_tokenizer
 from stages.rl.modeling import (
     compute_dtype,
     configure_for_training,
     device_memory_gb,
-    load_policy,
-    load_tokenizer,
     parameters_billion,
     pick_device,
 )
 from stages.rl.probe import write_probe
 from stages.rl.rewards import compute_rewards
-from stages.rl.session import RolloutSession
-from stages.rl.types import RolloutBatch
+from stages.generation.session import RolloutSession
+from stages.generation.types import RolloutBatch
 from stages.rl.update import build_step_tensors, ppo_update
 
 log = get_logger(__name__)

@@ -48,8 +48,8 @@ def sampling_section(n: int, temperature: float, max_new_tokens: int, call_limit
 def sample(policy: ModelRef | CheckpointRef, tasks: Sequence[dict[str, Any]], agent: AgentSection, data: DatasetRef,
            cache_root: str | Path, rl: RLSection, seed: int = 0, questions_per_batch: int = 8) -> list[Sampled]:
     """`rl.rollout.n` trajectories for every task, with the real toolbox."""
-    from stages.rl.modeling import load_policy, load_tokenizer
-    from stages.rl.session import RolloutSession
+    from stages.generation.models import load_policy, load_tokenizer
+    from stages.generation.session import RolloutSession
 
     tokenizer = load_tokenizer(policy)
     model = load_policy(policy).eval()

@@ -14,7 +14,7 @@ from stages.rl import checkpoint as ckpt
 from stages.rl.logprobs import collate, policy_forward
 from stages.rl.metrics import append_metrics, reconcile_metrics
 from stages.rl.trainer import epoch_order, plan_steps
-from stages.rl.types import RolloutBatch, RolloutGroup, Trajectory
+from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
 from stages.rl.update import StepTensors, _trim, branch_parents, ppo_update
 
 torch.set_num_threads(1)

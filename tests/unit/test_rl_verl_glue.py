@@ -16,7 +16,9 @@ from stages.core.config import ConfigError, load_config
 from stages.core.config.rl import AdvantageSection, RLSection
 from stages.core.config.rl_engine import local_engine_problem, params_from_name
 from stages.rl.advantages import compute_advantages, owner_matrix
-from stages.rl.backends.base import GenRequest, SamplingSpec, StopMatcher
+from stages.agent.stops import StopMatcher
+from stages.generation.base import GenRequest, SamplingSpec
+from stages.generation.token_entropy import TokenEntropy
 from stages.rl.rewards import compute_rewards
 from stages.rl.verl.advantage import tree_advantages
 from stages.rl.verl.mapping import VerlPaths, verl_overrides
@@ -99,27 +101,30 @@ def _out(ids, logps, stop_reason="completed", extra=None):
     return SimpleNamespace(token_ids=ids, log_probs=logps, stop_reason=stop_reason, extra_fields=extra or {})
 
 
+SURPRISAL, TOPK = TokenEntropy("surprisal"), TokenEntropy("topk", 10)
+
+
 def test_token_output_conversion():
     tok = ToyTokenizer()
     stopper = StopMatcher(tok, ("</search>",))
     ln_v = math.log(len(tok))
     search = tok.chars("a</search>")
-    res = result_from_token_output(_out(search, [-0.5] * len(search)), stopper, frozenset({0}), len(tok), "surprisal")
+    res = result_from_token_output(_out(search, [-0.5] * len(search)), stopper, frozenset({0}), len(tok), SURPRISAL)
     assert (res.finish_reason, res.stop) == ("stop", "</search>")
     assert res.entropies == pytest.approx([0.5 / ln_v] * len(search))          # surprisal / ln|V|
     assert result_from_token_output(_out([5, 0], [-1.0, -2.0]), stopper, frozenset({0}), len(tok),
-                                    "surprisal").finish_reason == "eos"
+                                    SURPRISAL).finish_reason == "eos"
     assert result_from_token_output(_out([5, 6], [-1.0, -2.0]), stopper, frozenset({0}), len(tok),
-                                    "surprisal").finish_reason == "length"
+                                    SURPRISAL).finish_reason == "length"
     topk = result_from_token_output(_out([5], [-1.0], extra={"arpo_entropies": [2.0]}), stopper, frozenset({0}),
-                                    len(tok), "topk")
+                                    len(tok), TOPK)
     assert topk.entropies == pytest.approx([2.0 / ln_v])
     with pytest.raises(RuntimeError, match="top-k"):
-        result_from_token_output(_out([5], [-1.0]), stopper, frozenset({0}), len(tok), "topk")
+        result_from_token_output(_out([5], [-1.0]), stopper, frozenset({0}), len(tok), TOPK)
     with pytest.raises(RuntimeError, match="aborted"):
-        result_from_token_output(_out([], None, "aborted"), stopper, frozenset({0}), len(tok), "surprisal")
+        result_from_token_output(_out([], None, "aborted"), stopper, frozenset({0}), len(tok), SURPRISAL)
     with pytest.raises(RuntimeError, match="calculate_log_probs"):
-        result_from_token_output(_out([5], None), stopper, frozenset({0}), len(tok), "surprisal")
+        result_from_token_output(_out([5], None), stopper, frozenset({0}), len(tok), SURPRISAL)
 
 
 def test_server_backend_submits_a_round_concurrently_under_one_request_id():

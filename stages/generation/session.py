@@ -17,11 +17,11 @@ from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.refs import DatasetRef
 from stages.data import RLRow
-from stages.rl.backends import load_backend
-from stages.rl.entropy import TokenEntropy
-from stages.rl.prompts import build_prompt_items
+from stages.generation import load_backend
+from stages.generation.token_entropy import TokenEntropy
+from stages.generation.prompts import build_prompt_items
 from stages.rl.rollout import RolloutEngine
-from stages.rl.types import RolloutBatch
+from stages.generation.types import RolloutBatch
 
 
 def backend_options(cfg: RLSection, model: torch.nn.Module, seed: int) -> dict[str, Any]:
