@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from stages.agent.protocol import TOOLS
+from stages.agent.tools import tool_names
 from stages.core.templates import load_template
 
 
@@ -30,7 +30,7 @@ def build_messages(question: str, template: str = "tir_search_python") -> list[d
 def template_tools(template: str = "tir_search_python") -> tuple[str, ...]:
     """Tools a template offers: those whose `<tool>` tag its text demonstrates ("search", "python")."""
     text = system_prompt(template)
-    return tuple(tool for tool in TOOLS if f"<{tool}>" in text)
+    return tuple(tool for tool in tool_names() if f"<{tool}>" in text)
 
 
 def stop_tags(template: str = "tir_search_python") -> tuple[str, ...]:

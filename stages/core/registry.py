@@ -58,6 +58,10 @@ class Registry(Generic[F]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def ordered(self) -> list[str]:
+        """Names in registration order (for registries whose order means something, e.g. the tools' tags)."""
+        return list(self._entries)
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
