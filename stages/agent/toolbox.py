@@ -33,13 +33,19 @@ from stages.agent.prompts import template_tools
 from stages.agent.protocol import LIMIT_MESSAGES, REPEAT_MESSAGE, ToolCall
 from stages.agent.tools import TOOLS, MISS_MESSAGE, CallState, Tool, ToolEnv, tool_names
 from stages.core.config.agent import AgentSection
+from stages.core.refs import DatasetRef
 from stages.core.log import get_logger
 
 log = get_logger(__name__)
 TOOL_FAILED = "The {tool} tool failed on this input ({error}). Continue without it or try different input."
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
-__all__ = ["MISS_MESSAGE", "CallState", "ToolBox", "ToolResult", "valid_text"]
+__all__ = ["MISS_MESSAGE", "CallState", "ToolBox", "ToolResult", "corpus_path", "valid_text"]
+
+
+def corpus_path(agent: AgentSection, data: DatasetRef | None) -> str | None:
+    """The search corpus: the agent section's explicit path, else the data stage's corpus file."""
+    return agent.search.corpus_path or (data.files.get("corpus") if data is not None else None)
 
 
 def valid_text(text: str) -> str:

@@ -55,10 +55,6 @@ def eval_agent(cfg: EvalSection, agent: AgentSection) -> AgentSection:
     return agent.model_copy(update={"limits": limits})
 
 
-def corpus_path(agent: AgentSection, data: DatasetRef) -> str | None:
-    return agent.search.corpus_path or data.files.get("corpus")
-
-
 def benchmark_template(cfg: EvalSection, agent: AgentSection, benchmark: str) -> str:
     """The system prompt template this benchmark runs with (its own, e.g. xbench's Chinese one, or the run's)."""
     from stages.eval.benchmarks import get_spec, prompt_template_for
@@ -136,7 +132,7 @@ def summarize(rows: list[dict[str, Any]], ran: int, wall_s: float, loaded: Any, 
 async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: ModelRef, endpoint: EndpointRef,
                      data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[dict[str, Any]], int]:
     from stages.agent.prompts import build_messages
-    from stages.agent.toolbox import ToolBox
+    from stages.agent.toolbox import ToolBox, corpus_path
     from stages.eval.serving import async_client
 
     done = read_partial(folder / PARTIAL)

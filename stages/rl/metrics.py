@@ -16,7 +16,7 @@ import torch
 
 from stages.core.atomic import read_jsonl, write_jsonl
 from stages.core.log import get_logger
-from stages.rl.rewards import Reward
+from stages.agent.rewards import Reward
 from stages.generation.types import RolloutBatch
 
 log = get_logger(__name__)

@@ -51,8 +51,9 @@ from stages.rl.modeling import (
     pick_device,
 )
 from stages.rl.probe import write_probe
-from stages.rl.rewards import compute_rewards
+from stages.agent.rewards import compute_rewards
 from stages.generation.session import RolloutSession
+from stages.rl.rollout import RolloutEngine
 from stages.generation.types import RolloutBatch
 from stages.rl.update import build_step_tensors, ppo_update
 
@@ -228,8 +229,8 @@ class RLTrainer:
         history = reconcile_metrics(self.metrics_path, state.step, state.metrics if latest else None)
         self.watch = AlarmWatch(self.cfg.alarms, self.path / "alarms.jsonl", resumed_step=state.step)
         pad_id = self.tokenizer.pad_token_id
-        session = RolloutSession(self.cfg, self.agent, self.model, self.tokenizer, self.data, self.cache_root,
-                                 self.seed, self.toolbox)
+        session = RolloutSession(self.cfg.rollout, self.agent, self.model, self.tokenizer, self.data,
+                                 self.cache_root, self.seed, self.toolbox, engine=RolloutEngine)
         try:
             with reporter.track("rl", f"RL ({self.cfg.algorithm})", total=self.total_steps, done=state.step) as bar:
                 while state.step < self.total_steps:

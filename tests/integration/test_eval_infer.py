@@ -18,8 +18,10 @@ import pytest
 
 from stages.core.env import PROJECT_ROOT
 from stages.core.fingerprint import code_version
-from stages.eval.agent_loop import SampleState, run_tool
-from stages.eval.inference import FINAL, PARTIAL, eval_agent, run_inference
+from stages.agent.loop import TextSegment, run_text_loop
+from stages.eval.agent_loop import EVAL_STOPS, SampleState
+from stages.core.refs import EndpointRef
+from stages.eval.inference import FINAL, PARTIAL, eval_agent, loop_settings, run_inference
 from stages.eval.reuse import finished_inference
 from stages.eval.serving import planned_endpoint
 
@@ -86,17 +88,25 @@ def test_tool_calls_run_through_the_toolbox_with_limit_feedback(tiny_config, syn
     box = ToolBox.from_config(eval_agent(cfg, tiny_config.agent), synthetic_data.files["corpus"],
                               str(PROJECT_ROOT / ".cache"))
     try:
-        state, tool_state = SampleState(output="<think>compute</think><python>print(6*7)</python>"), box.new_state()
-        asyncio.run(run_tool(box, tool_state, state, "</python>"))
-        assert state.output.endswith("</python> <result>\n42\n</result>")   # 6*7 = 42, in the training form
-        state.output += "<python>print(1)</python>"                         # a second call: over max_python=1
-        asyncio.run(run_tool(box, tool_state, state, "</python>"))
-        assert state.output.endswith(f" <result>\n{LIMIT_MESSAGES['python']}\n</result>")
         first_entity = json.loads(Path(synthetic_data.files["corpus"]).read_text().splitlines()[0])
         query = first_entity["contents"].split()[0]
-        state.output += f"<search>{query}</search>"
-        asyncio.run(run_tool(box, tool_state, state, "</search>"))
-        assert query in state.output.rsplit("<result>", 1)[1]                # the corpus passage came back
+        segments = ["<think>compute</think><python>print(6*7)</python>",
+                    "<python>print(1)</python>",                           # a second call: over max_python=1
+                    f"<search>{query}</search>", "done"]
+
+        async def scripted(output: str, max_tokens: int, call: int) -> TextSegment:  # the model, played back
+            text = segments[call]
+            stop = next((s for s in EVAL_STOPS if text.endswith(s)), None)
+            return TextSegment(text, "stop" if stop else "eos", stop, 1)
+
+        state = SampleState()
+        settings = loop_settings(cfg, EndpointRef(url="http://unused/v1", model="m"))
+        asyncio.run(run_text_loop(scripted, box, settings.rules, settings.budget, state))
+        results = state.output.split(" <result>\n")
+        assert results[1].startswith("42\n</result>")                      # 6*7 = 42, in the training form
+        assert results[2].startswith(f"{LIMIT_MESSAGES['python']}\n</result>")
+        assert query in results[3]                                          # the corpus passage came back
+        assert state.output.endswith("</result>done") and state.finish_reason == "stop"
         assert state.tools_run == {"python": 2, "search": 1}
         assert state.timing["python_s"] > 0 and state.timing["search_s"] > 0
     finally:

@@ -26,7 +26,7 @@ import torch
 from stages.core.atomic import read_jsonl
 from stages.core.config import load_config
 from stages.core.env import PROJECT_ROOT
-from stages.rl.rewards import REWARDS, Reward
+from stages.agent.rewards import REWARDS, Reward
 from stages.rl.trainer import RLTrainer, run_rl
 
 pytestmark = pytest.mark.integration

@@ -55,7 +55,7 @@ def main(request_path: str, result_path: str) -> None:
     agent = AgentSection(search=SearchSection(top_k=1, max_chars_per_passage=120))
     data = DatasetRef.model_validate(req["data"])
     started = time.monotonic()
-    session = RolloutSession(cfg, agent, model, tok, data, Path(req["cache"]), seed=0)
+    session = RolloutSession(cfg.rollout, agent, model, tok, data, Path(req["cache"]), seed=0)
     out: dict = {"engine_startup_s": round(time.monotonic() - started, 1), "backend": type(session.backend).__name__,
                  "vocab_size": session.backend.vocab_size}
     rows = [r for r in read_rl_parquet(data.file("rl_train")) if r.ability == "qa"][:2]

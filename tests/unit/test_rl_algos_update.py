@@ -193,7 +193,7 @@ def test_rollout_dump_and_markdown_sample(tmp_path):
         rollout_metrics,
         rollout_sample_markdown,
     )
-    from stages.rl.rewards import Reward
+    from stages.agent.rewards import Reward
 
     class Tok:
         def decode(self, ids, skip_special_tokens=False):

@@ -19,7 +19,7 @@ from stages.rl.advantages import compute_advantages, owner_matrix
 from stages.agent.stops import StopMatcher
 from stages.generation.base import GenRequest, SamplingSpec
 from stages.generation.token_entropy import TokenEntropy
-from stages.rl.rewards import compute_rewards
+from stages.agent.rewards import compute_rewards
 from stages.rl.verl.advantage import tree_advantages
 from stages.rl.verl.mapping import VerlPaths, verl_overrides
 from stages.rl.verl.reward import compute_score

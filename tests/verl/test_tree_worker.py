@@ -18,7 +18,7 @@ import torch
 from stages.agent.protocol import render_result
 from stages.core.config.rl import AdvantageSection
 from stages.rl.advantages import compute_advantages, owner_matrix
-from stages.rl.rewards import compute_rewards
+from stages.agent.rewards import compute_rewards
 from tests.unit.test_rl_rollout_fakes import ToyTokenizer, ToyToolBox
 
 pytestmark = pytest.mark.verl

@@ -25,6 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stages.agent.toolbox import corpus_path
 from stages.core.atomic import write_json, write_text
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
@@ -102,7 +103,7 @@ def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache
         generation = None
     return PluginSettings(rollout=cfg.rollout, agent=agent, advantage=cfg.advantage, reward=cfg.trainer.reward,
                           seed=seed,
-                          corpus_path=agent.search.corpus_path or data.files.get("corpus"),
+                          corpus_path=corpus_path(agent, data),
                           cache_root=str(Path(cache_root).resolve()),
                           max_concurrent_trees=cfg.verl.max_concurrent_trees,
                           eos_token_ids=sorted(eos_ids_of(tokenizer, generation)))
