@@ -64,13 +64,29 @@ def benchmark_template(cfg: EvalSection, agent: AgentSection, benchmark: str) ->
 
 def inference_key(cfg: EvalSection, agent: AgentSection, benchmark: str, content_hash: str, model: ModelRef,
                   endpoint: EndpointRef, data: DatasetRef) -> str:
+    """What the predictions depend on: the generation settings (not the judge, pass@k or bootstrap, which only
+    rescore), the agent, the benchmark's content, the model, what answers at the endpoint (served name + weights,
+    never its URL) and the sampling extras it accepts, the corpus, the prompt and the code."""
     from stages.agent.prompts import system_prompt
 
     corpus = agent.search.corpus_path or (data.fingerprint if "corpus" in data.files else None)
     template = benchmark_template(cfg, agent, benchmark)
     return hash_value(cfg.model_dump(include=GENERATION_KEYS), eval_agent(cfg, agent), benchmark, content_hash,
-                      model.fingerprint, corpus, sampling_extras(cfg, endpoint), template, system_prompt(template),
-                      code_version(*CODE))
+                      model.fingerprint, endpoint.identity, corpus, sampling_extras(cfg, endpoint), template,
+                      system_prompt(template), code_version(*CODE))
+
+
+def load(cfg: EvalSection, benchmark: str, data: DatasetRef) -> Any:
+    from stages.eval.benchmarks import load_benchmark
+
+    synthetic = data.files.get("eval_test") if benchmark == "synthetic" else None
+    return load_benchmark(benchmark, cfg.data_root, cap=cfg.max_questions, synthetic_path=synthetic)
+
+
+def infer_key(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
+              data: DatasetRef) -> str:
+    """The stage's one key (its folder name and its Prefect cache key), from the entry point's own arguments."""
+    return inference_key(cfg, agent, benchmark, load(cfg, benchmark, data).content_hash, model, endpoint, data)
 
 
 def sample_seed(benchmark: str, item_id: str, sample: int) -> int:
@@ -99,10 +115,7 @@ def append_row(handle: Any, row: dict[str, Any]) -> None:
 def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
                   data: DatasetRef, output_root: str | Path, cache_root: str | Path,
                   force: bool = False) -> PredictionsRef:
-    from stages.eval.benchmarks import load_benchmark
-
-    synthetic = data.files.get("eval_test") if benchmark == "synthetic" else None
-    loaded = load_benchmark(benchmark, cfg.data_root, cap=cfg.max_questions, synthetic_path=synthetic)
+    loaded = load(cfg, benchmark, data)
     key = inference_key(cfg, agent, benchmark, loaded.content_hash, model, endpoint, data)
     out = stage_dir(output_root, STAGE, key, force=force)
     final = out.path / FINAL

@@ -56,11 +56,6 @@ def reply_says_correct(reply: str) -> bool:
     return "correct" in text and not any(word in text for word in NEGATIONS)
 
 
-def judge_identity(endpoint: EndpointRef) -> str:
-    """What the judge *is* (served name + weights fingerprint), never where it runs (URL/port)."""
-    return f"{endpoint.model}@{endpoint.model_fingerprint}" if endpoint.model_fingerprint else endpoint.model
-
-
 @dataclass(frozen=True)
 class JudgeRequest:
     question: str
@@ -121,7 +116,7 @@ class Judge:
     def __init__(self, endpoint: EndpointRef, cfg: JudgeSection, cache_path: str | Path) -> None:
         self.endpoint = endpoint
         self.cfg = cfg
-        self.identity = judge_identity(endpoint)
+        self.identity = endpoint.identity
         self.cache = VerdictCache(cache_path)
         self.calls = 0  # requests actually sent (retries included)
 

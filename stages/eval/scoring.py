@@ -23,7 +23,7 @@ from stages.core.log import get_logger
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import stage_dir
 from stages.eval.benchmarks import headline_metric
-from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict, judge_identity
+from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict
 from stages.eval.metrics import (
     MathVerifier,
     effective_prediction,
@@ -50,7 +50,7 @@ def scoring_key(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRef | No
     settings = {"judge": cfg.judge.model_dump(include={"enabled", "temperature", "max_tokens"}) if judged else None,
                 "pass_k": sorted(set(cfg.pass_k)), "bootstrap": [cfg.bootstrap_samples, cfg.bootstrap_seed,
                                                                  cfg.confidence]}
-    return hash_value(settings, preds.fingerprint, judge_identity(judge) if judged else None, PROMPT_HASH,
+    return hash_value(settings, preds.fingerprint, judge.identity if judged else None, PROMPT_HASH,
                       code_version("stages.eval", "stages.agent"))
 
 
@@ -66,7 +66,7 @@ def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRe
         samples = score_samples(cfg, rows, judge if judged else None, Path(cache_root),
                                 headline_metric(preds.benchmark))
         summary = summarize_benchmark(cfg, samples, judged, headline_metric(preds.benchmark))
-        summary |= {"judge": judge_identity(judge) if judged else None, "predictions": str(predictions_file(preds))}
+        summary |= {"judge": judge.identity if judged else None, "predictions": str(predictions_file(preds))}
         write_jsonl(out.path / "samples.jsonl", samples)
         write_json(out.path / "summary.json", summary)
         out.finish()

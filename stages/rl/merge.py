@@ -39,10 +39,14 @@ class MergeParityError(RuntimeError):
     """The merged model's log-probs differ from the trained model's beyond the allowed tolerance."""
 
 
+def merge_key(cfg: MergeSection, ckpt: CheckpointRef) -> str:
+    """The stage's one key (its folder name and its Prefect cache key)."""
+    return hash_value(cfg, ckpt.fingerprint, code_version("stages.rl", "stages.generation.models"))
+
+
 def merge_checkpoint(cfg: MergeSection, ckpt: CheckpointRef, output_root: str | Path,
                      force: bool = False) -> ModelRef:
-    key = hash_value(cfg, ckpt.fingerprint, code_version("stages.rl"))
-    out = stage_dir(output_root, "merge", key, force=force)
+    out = stage_dir(output_root, "merge", merge_key(cfg, ckpt), force=force)
     model_dir = out.path / "model"
     if not out.complete:
         report = merge_to_folder(cfg, ckpt, model_dir)

@@ -73,12 +73,10 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     ablation = aepo_components_off(cfg)
     if ablation:
         log.warning("rl.algorithm=aepo with %s switched off: an AEPO ablation", ", ".join(ablation))
-    from stages.rl.engines import RL_ENGINES, engine_version
+    from stages.rl.engines import RL_ENGINES
 
     engine = RL_ENGINES.get(cfg.engine)
-    key = hash_value(training_identity(cfg), agent, policy.fingerprint, data.fingerprint, seed, dtype,
-                     code_version("stages.rl", "stages.agent"), engine_version(cfg.engine))
-    out = stage_dir(output_root, "rl", key, force=force)
+    out = stage_dir(output_root, "rl", rl_key(cfg, agent, policy, data, seed, dtype), force=force)
     if not out.complete:
         result = engine(cfg, agent, policy, data, out.path, Path(cache_root), seed, dtype)
         content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
@@ -91,6 +89,18 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
                          base=base_model(policy), step=int(marker["steps"]),
                          meta={"algorithm": cfg.algorithm, "engine": cfg.engine, **marker.get("meta", {}),
                                **({"aepo_off": ablation} if ablation else {})})
+
+
+def rl_key(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef, seed: int = 0,
+           dtype: str = "float32", python: str | None = None) -> str:
+    """The stage's one key (its folder name and its Prefect cache key): the training identity, the agent, the
+    inputs, the code of the runtime and of RL, and the engine's version in the interpreter the stage runs under
+    (`python`; None = this one)."""
+    from stages.rl.engines import engine_version
+
+    return hash_value(training_identity(cfg), agent, policy.fingerprint, data.fingerprint, seed, dtype,
+                      code_version("stages.rl", "stages.agent", "stages.generation"),
+                      engine_version(cfg.engine, python))
 
 
 def aepo_components_off(cfg: RLSection) -> list[str]:

@@ -78,6 +78,18 @@ def ranking_row(path: Path, index: int, raw: Any) -> dict[str, Any]:
     return out
 
 
+def dpo_key(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None) -> str:
+    """The stage's one key (its folder name and its Prefect cache key). Disabled, it names the checkpoint handed
+    on unchanged."""
+    dpo = cfg.dpo
+    if not dpo.enabled:
+        return hash_value(dpo.enabled, checkpoint.fingerprint)
+    inputs = [hash_path(dpo.dataset_path)] if dpo.source == "file" else teacher_key_inputs(agent, data)
+    shared = {"template", "bf16", "deepspeed", "seed", "teacher_seed", "lr_scheduler_type", "warmup_ratio"}
+    return hash_value(dpo, cfg.model_dump(mode="json", include=shared), checkpoint.fingerprint, inputs,
+                      code_version("stages.sft", "stages.agent", "stages.generation"))
+
+
 def run_dpo(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None,
             output_root: str, cache_root: str, force: bool = False) -> CheckpointRef:
     """Self-critic DPO on top of the SFT checkpoint; returns it unchanged when sft.dpo.enabled is false."""
@@ -88,11 +100,7 @@ def run_dpo(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, dat
     template = checkpoint.meta.get("template") or (template_of(cfg, base) if base else cfg.template)
     if not template:
         raise ValueError("no LLaMA-Factory template for DPO: set sft.template")
-    inputs = [hash_path(dpo.dataset_path)] if dpo.source == "file" else teacher_key_inputs(agent, data)
-    shared = {"template", "bf16", "deepspeed", "seed", "teacher_seed", "lr_scheduler_type", "warmup_ratio"}
-    key = hash_value(dpo, cfg.model_dump(mode="json", include=shared),
-                     checkpoint.fingerprint, inputs, code_version("stages.sft", "stages.agent", "stages.generation"))
-    out = stage_dir(output_root, "dpo", key, force=force)
+    out = stage_dir(output_root, "dpo", dpo_key(cfg, agent, checkpoint, data), force=force)
     model_dir, trainer = out.path / "model", out.path / "trainer"
     if not out.complete:
         preflight(cfg)

@@ -216,3 +216,36 @@ def test_unreachable_server_fails_and_keeps_nothing_half_done(tiny_model, tiny_c
                       PROJECT_ROOT / ".cache")
     (partial,) = tmp_path.glob(f"eval-infer/*/{PARTIAL}")
     assert partial.read_text() == "" and not (partial.parent / FINAL).exists()
+
+
+def test_switching_endpoints_recomputes_moving_one_does_not(endpoint, tiny_model, tiny_config, synthetic_data,
+                                                            small_eval, tmp_path, prefect_harness) -> None:
+    from prefect import flow
+
+    from stages.core.plan import make_plan
+    from tasks.common import run_stage
+    from tasks.eval_infer import infer_task
+
+    cfg = small_eval.model_copy(update={"max_questions": 1})
+
+    @flow
+    def infer(served: EndpointRef, refresh: bool) -> tuple[str, str]:
+        state = run_stage(infer_task, make_plan(refresh=["infer"] if refresh else []), "infer", cfg,
+                          tiny_config.agent, "synthetic", tiny_model, served, synthetic_data, str(tmp_path),
+                          str(PROJECT_ROOT / ".cache"), return_state=True)
+        return state.name, state.result().fingerprint
+
+    first = infer(endpoint, False)
+    assert first[0] == "Completed"
+    # the same server elsewhere (another port, pid): what it computes is the same -> Prefect's cache answers
+    moved = endpoint.model_copy(update={"url": "http://127.0.0.1:1/v1", "meta": {**endpoint.meta, "pid": 1}})
+    assert infer(moved, False) == ("Cached", first[1])
+    # a server without vLLM's sampling extras samples differently: the key changes, inference runs again
+    plain = endpoint.model_copy(update={"meta": {**endpoint.meta, "sampling_extras": False}})
+    second = infer(plain, False)
+    assert second[0] == "Completed" and second[1] != first[1]
+    assert infer(plain, False) == ("Cached", second[1])
+    # --refresh flips one switch: Prefect recomputes, the stage folder is rebuilt (a new fingerprint)
+    refreshed = infer(plain, True)
+    assert refreshed[0] == "Completed" and refreshed[1] != second[1]
+    assert infer(plain, False) == ("Cached", refreshed[1])
