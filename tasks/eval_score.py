@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect.futures import PrefectFuture, as_completed
 
 from stages.core.config.eval import EvalSection

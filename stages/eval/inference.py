@@ -25,6 +25,7 @@ from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.core.reporter import track
 from stages.core.workspace import stage_dir
 from stages.eval.agent_loop import LoopSettings, SampleState, run_sample
+from stages.eval.rows import PredictionRow
 
 log = get_logger(__name__)
 
@@ -122,7 +123,7 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
     if not out.complete:
         started = time.monotonic()
         rows, ran = asyncio.run(_infer_all(cfg, agent, loaded, model, endpoint, data, out.path, Path(cache_root)))
-        write_jsonl(final, rows)
+        write_jsonl(final, [row.model_dump() for row in rows])
         (out.path / PARTIAL).unlink(missing_ok=True)
         write_json(out.path / "summary.json", summarize(rows, ran, time.monotonic() - started, loaded, endpoint))
         out.finish(content=final, rows=len(rows))
@@ -132,23 +133,23 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
                                                         "timed_out", "errors")})
 
 
-def summarize(rows: list[dict[str, Any]], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef
+def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef
               ) -> dict[str, Any]:
-    return {"rows": len(rows), "items": len(loaded.items), "samples": len({r["sample"] for r in rows}),
+    return {"rows": len(rows), "items": len(loaded.items), "samples": len({r.sample for r in rows}),
             "benchmark": loaded.spec.name, "benchmark_hash": loaded.content_hash, "model": endpoint.model,
-            "timed_out": sum(r["timed_out"] for r in rows), "errors": sum(r["error"] is not None for r in rows),
+            "timed_out": sum(r.timed_out for r in rows), "errors": sum(r.error is not None for r in rows),
             "ran_this_time": ran, "wall_s": round(wall_s, 3),
             "samples_per_s": round(ran / wall_s, 4) if wall_s > 0 else None,
-            "mean_total_s": round(sum(r["timing"]["total_s"] for r in rows) / max(len(rows), 1), 3)}
+            "mean_total_s": round(sum(r.timing["total_s"] for r in rows) / max(len(rows), 1), 3)}
 
 
 async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: ModelRef, endpoint: EndpointRef,
-                     data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[dict[str, Any]], int]:
+                     data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[PredictionRow], int]:
     from stages.agent.prompts import build_messages
     from stages.agent.toolbox import ToolBox, corpus_path
     from stages.eval.serving import async_client
 
-    done = read_partial(folder / PARTIAL)
+    done = {key: PredictionRow.model_validate(row) for key, row in read_partial(folder / PARTIAL).items()}
     todo = [(item, s) for item in loaded.items for s in range(cfg.samples) if (item.id, s) not in done]
     name = loaded.spec.name
     log.info("%s: %d samples to run, %d already done (%s)", name, len(todo), len(done), folder)
@@ -165,7 +166,7 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
         gate = asyncio.Semaphore(cfg.concurrency)
         template = benchmark_template(cfg, agent, name)
 
-        async def one(item: Any, sample: int) -> dict[str, Any] | None:
+        async def one(item: Any, sample: int) -> PredictionRow | None:
             async with gate:
                 prompt = tokenizer.apply_chat_template(build_messages(item.question, template),
                                                        tokenize=False, add_generation_prompt=True)
@@ -179,8 +180,8 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
                 for next_row in asyncio.as_completed([one(item, s) for item, s in todo]):
                     row = await next_row
                     if row is not None:
-                        append_row(handle, row)
-                        done[(row["id"], row["sample"])] = row
+                        append_row(handle, row.model_dump())
+                        done[(row.id, row.sample)] = row
                     bar.advance()
         finally:
             await close_quietly(box, client)
@@ -189,7 +190,7 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
                                   f"{endpoint.url} (first: {failures[0]}); the {len(done)} finished samples are "
                                   "saved; rerun to complete only the missing ones")
     order = {item.id: i for i, item in enumerate(loaded.items)}
-    return sorted(done.values(), key=lambda r: (order[r["id"]], r["sample"])), len(todo)
+    return sorted(done.values(), key=lambda r: (order[r.id], r.sample)), len(todo)
 
 
 def loop_settings(cfg: EvalSection, endpoint: EndpointRef) -> LoopSettings:
@@ -199,7 +200,7 @@ def loop_settings(cfg: EvalSection, endpoint: EndpointRef) -> LoopSettings:
 
 
 async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, prompt: str, box: Any, item: Any,
-                       sample: int, benchmark: str, benchmark_hash: str, failures: list[str]) -> dict[str, Any] | None:
+                       sample: int, benchmark: str, benchmark_hash: str, failures: list[str]) -> PredictionRow | None:
     """One sample as a predictions row; None (and a note in `failures`) when the server could not be reached."""
     import openai
 
@@ -221,13 +222,12 @@ async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, pr
         else:
             error, state.finish_reason = f"{type(err).__name__}: {err.message}", "error"
     timing = {k: round(v, 4) for k, v in state.timing.items()} | {"total_s": round(time.monotonic() - start, 4)}
-    return {"id": item.id, "benchmark": benchmark, "sample": sample, "question": item.question,
-            "golds": list(item.golds), "task_type": item.task_type, "prediction": extract_answer(state.output),
-            "output": state.output, "finish_reason": state.finish_reason,
-            "tool_calls": {k: v for k, v in count_tool_calls(state.output).items()},
-            "timing": timing, "timed_out": timed_out, "error": error, "model": settings.model,
-            "benchmark_hash": benchmark_hash, "completion_tokens": state.completion_tokens,
-            "llm_calls": state.llm_calls, "meta": dict(item.meta)}
+    return PredictionRow(id=item.id, benchmark=benchmark, sample=sample, question=item.question,
+                         golds=list(item.golds), task_type=item.task_type, prediction=extract_answer(state.output),
+                         output=state.output, finish_reason=state.finish_reason,
+                         tool_calls=count_tool_calls(state.output), timing=timing, timed_out=timed_out, error=error,
+                         model=settings.model, benchmark_hash=benchmark_hash,
+                         completion_tokens=state.completion_tokens, llm_calls=state.llm_calls, meta=dict(item.meta))
 
 
 def load_tokenizer(model: ModelRef) -> Any:

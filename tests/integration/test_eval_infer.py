@@ -74,8 +74,9 @@ def test_real_benchmarks_and_synthetic_end_to_end(endpoint, tiny_model, tiny_con
         again = run_inference(cfg, tiny_config.agent, name, tiny_model, endpoint, synthetic_data, tmp_path,
                               PROJECT_ROOT / ".cache")
         assert again == ref                                             # complete: reused, not rerun
-        # a rerun sees these predictions before serving anything (the pipeline then starts no server)
-        planned = planned_endpoint(tiny_config.serve, tiny_model)
+        # a rerun sees these predictions before serving anything (the pipeline then starts no server); it plans
+        # the server the session fixture started (served as "smol": the rows name what answered)
+        planned = planned_endpoint(tiny_config.serve.model_copy(update={"served_name": "smol"}), tiny_model)
         assert finished_inference(cfg, tiny_config.agent, name, tiny_model, planned, synthetic_data,
                                   tmp_path) == ref.fingerprint
 
@@ -208,7 +209,7 @@ def test_unreachable_server_fails_and_keeps_nothing_half_done(tiny_model, tiny_c
                                                               tmp_path) -> None:
     from stages.core.refs import EndpointRef
     from stages.eval.inference import InferenceIncomplete
-    from stages.eval.procs import free_port
+    from stages.core.procs import free_port
 
     dead = EndpointRef(url=f"http://127.0.0.1:{free_port()}/v1", model="smol", meta={"sampling_extras": True})
     with pytest.raises(InferenceIncomplete, match=r"2 of 2 synthetic samples could not reach.*rerun"):
