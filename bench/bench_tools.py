@@ -148,7 +148,8 @@ def bench_python(repeats: int, callers: int, calls: int) -> None:
                                base_loaded, base_alone))
                 cpu = cpu_per_call(box, run, code, repeats)
                 print(f"  {'':<40} CPU per call {cpu * 1000:.1f} ms (sandbox processes + host): on an idle machine "
-                      f"{callers} callers on {os.cpu_count()} cores would wait about {callers * cpu / os.cpu_count() * 1000:.0f} ms")
+                      f"{callers} callers on {os.cpu_count()} cores would wait about "
+                      f"{callers * cpu / os.cpu_count() * 1000:.0f} ms")
             agent = AgentSection(python=PythonToolSection(seed=0), cache={"tools": ["search", "python"]})
             print(row("ToolBox cache hit (seeded python)", cached_toolbox_times(agent, code, repeats), base_alone))
     finally:

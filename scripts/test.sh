@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 ARPO_WITH_BROWSER=1 ./scripts/setup.sh
 # verl 0.9.1 contract tests run in their own environment (tests/integration/test_verl_contract.py)
 ./scripts/setup-verl.sh --test
+# lint first (ruff, pinned in the test extra; config in pyproject.toml): well under a second
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -m "not gpu" "$@"

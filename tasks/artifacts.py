@@ -20,7 +20,7 @@ def _in_run() -> bool:
     try:
         get_run_context()
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - no run context is signalled by several exception types
         return False
 
 

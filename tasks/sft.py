@@ -9,9 +9,9 @@ from __future__ import annotations
 from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from tasks.artifacts import publish_image, publish_table
 from stages.sft.dpo import dpo_key
 from stages.sft.stage import sft_key
+from tasks.artifacts import publish_image, publish_table
 from tasks.common import call_stage, forced, stage_task
 from tasks.secrets import export_search_key
 

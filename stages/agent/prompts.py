@@ -2,7 +2,8 @@
 
 Templates (file stems): `tir_search_python` (the reference system prompt, research/arpo.md 4.2),
 `tir_search_python_zh` (the reference's Chinese prompt `code_search_cn`, which its Chinese inference script uses
-for xbench), `tir_search` (search only), `tir_python` (python only), `no_tool`. Which tools a template offers is read from the tags
+for xbench), `tir_search` (search only), `tir_python` (python only), `no_tool`. Which tools a template offers is read
+from the tags
 its text demonstrates, so a new template file needs no code change.
 """
 

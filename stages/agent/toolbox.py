@@ -31,10 +31,10 @@ from typing import Self
 from stages.agent.cache import ToolCache
 from stages.agent.prompts import template_tools
 from stages.agent.protocol import LIMIT_MESSAGES, REPEAT_MESSAGE, ToolCall
-from stages.agent.tools import TOOLS, MISS_MESSAGE, CallState, Tool, ToolEnv, tool_names
+from stages.agent.tools import MISS_MESSAGE, TOOLS, CallState, Tool, ToolEnv, tool_names
 from stages.core.config.agent import AgentSection
-from stages.core.refs import DatasetRef
 from stages.core.log import get_logger
+from stages.core.refs import DatasetRef
 
 log = get_logger(__name__)
 TOOL_FAILED = "The {tool} tool failed on this input ({error}). Continue without it or try different input."

@@ -39,7 +39,8 @@ class Registry(Generic[F]):
         def decorator(fn: F) -> F:
             existing = self._entries.get(name)
             if existing is not None and existing is not fn and existing.__qualname__ != fn.__qualname__:
-                raise ValueError(f"{self.kind} {name!r} is already registered to {existing.__module__}.{existing.__qualname__}")
+                owner = f"{existing.__module__}.{existing.__qualname__}"
+                raise ValueError(f"{self.kind} {name!r} is already registered to {owner}")
             self._entries[name] = fn
             return fn
 

@@ -135,7 +135,7 @@ class Judge:
             return Verdict(says_correct=hit[1], reply=hit[0], cached=True)
         try:
             reply = await self._ask(client, format_prompt(request.question, request.golds, request.prediction))
-        except Exception as err:  # after retries: the rule decides, nothing is cached
+        except Exception as err:  # noqa: BLE001 - after retries: the rule decides, nothing is cached
             message = f"{type(err).__name__}: {err}"
             log.warning("judge call failed after %d attempts (%s); using the rule verdict", self.cfg.max_retries,
                         message[:200])

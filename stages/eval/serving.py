@@ -5,7 +5,8 @@ Backends (ServeSection.backend):
   command line and environment from `stages.eval.vllm_cmd`);
 - `external`: an existing server at `serve.url` with the key in the env var `serve.api_key_env`.
 Servers run supervised in their own process group with output captured to `<log_dir>/<name>.log`
-(stages.core.procs, the one process manager). Teardown is guaranteed three ways: `stop_server` / the `serving` context manager,
+(stages.core.procs, the one process manager). Teardown is guaranteed three ways: `stop_server` / the `serving`
+context manager,
 an atexit hook for servers this process started, and the supervisor, which kills the group when this
 process dies without either.
 """
@@ -28,9 +29,9 @@ from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
 from stages.core.fingerprint import hash_file, hash_value
 from stages.core.log import get_logger
+from stages.core.procs import NotReady, free_port, healthy, kill_group, launch, wait_ready
 from stages.core.refs import EndpointRef, ModelRef
 from stages.core.registry import Registry
-from stages.core.procs import NotReady, free_port, healthy, kill_group, launch, wait_ready
 from stages.eval.vllm_cmd import ServeError, resolve_vllm, vllm_command, vllm_env
 
 log = get_logger(__name__)

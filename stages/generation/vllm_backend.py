@@ -27,7 +27,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from stages.core.log import get_logger

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from stages.agent.rewards import Reward
 from stages.core.atomic import read_jsonl, write_jsonl
 from stages.core.log import get_logger
-from stages.agent.rewards import Reward
 from stages.generation.types import RolloutBatch
 
 log = get_logger(__name__)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.agent.rewards import compute_rewards
 from stages.core import reporter
 from stages.core.atomic import read_jsonl
 from stages.core.config.agent import AgentSection
@@ -32,6 +33,9 @@ from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.workspace import stage_dir
 from stages.data import RLRow, read_rl_parquet
+from stages.generation.models import load_policy, load_tokenizer
+from stages.generation.session import RolloutSession
+from stages.generation.types import RolloutBatch
 from stages.rl import checkpoint as ckpt
 from stages.rl.alarms import AlarmWatch
 from stages.rl.metrics import (
@@ -42,7 +46,6 @@ from stages.rl.metrics import (
     rollout_metrics,
     rollout_sample_markdown,
 )
-from stages.generation.models import load_policy, load_tokenizer
 from stages.rl.modeling import (
     compute_dtype,
     configure_for_training,
@@ -51,10 +54,7 @@ from stages.rl.modeling import (
     pick_device,
 )
 from stages.rl.probe import write_probe
-from stages.agent.rewards import compute_rewards
-from stages.generation.session import RolloutSession
 from stages.rl.rollout import RolloutEngine
-from stages.generation.types import RolloutBatch
 from stages.rl.update import build_step_tensors, ppo_update
 
 log = get_logger(__name__)

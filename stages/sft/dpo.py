@@ -1,7 +1,8 @@
 """Optional self-critic DPO after SFT (Tool-Star: LLaMA-Factory DPO, LoRA r 8, beta 0.1, sigmoid loss).
 
 Pairs: for each train question the SFT checkpoint samples `samples_per_question` tool trajectories with the
-agent runtime (stages.generation: the rollout loop RL runs, without branching); the reward function (`reference` by default) marks each correct or not; a pair is (correct,
+agent runtime (stages.generation: the rollout loop RL runs, without branching); the reward function (`reference` by
+default) marks each correct or not; a pair is (correct,
 incorrect) for the same question. When no sample of a question is correct, the teacher trajectory of that
 question (real tools, gold answer) is the chosen side, so a small model that is rarely right still gets
 pairs; `chosen_fallback: none` turns this off. Output: the LoRA merged into a plain HF folder.

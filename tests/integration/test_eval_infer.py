@@ -1,4 +1,5 @@
-"""Inference end to end on the tiny model behind vLLM's server (the session fixture `vllm_endpoint`): real benchmarks (EVAL-B's loaders over
+"""Inference end to end on the tiny model behind vLLM's server (the session fixture `vllm_endpoint`): real benchmarks
+(EVAL-B's loaders over
 ../shared/data/eval) and the generated synthetic set, the tool path through the real ToolBox, and a run
 killed by SIGKILL midway whose rerun completes only the missing samples."""
 
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from stages.agent.loop import TextSegment, run_text_loop
 from stages.core.env import PROJECT_ROOT
 from stages.core.fingerprint import code_version
-from stages.agent.loop import TextSegment, run_text_loop
-from stages.eval.agent_loop import EVAL_STOPS, SampleState
 from stages.core.refs import EndpointRef
+from stages.eval.agent_loop import EVAL_STOPS, SampleState
 from stages.eval.inference import FINAL, PARTIAL, eval_agent, loop_settings, run_inference
 from stages.eval.reuse import finished_inference
 from stages.eval.serving import planned_endpoint
@@ -182,7 +183,7 @@ def test_cancelled_sample_keeps_its_partial_output(endpoint, tiny_model, tiny_co
         client = async_client(endpoint)
         box = ToolBox.from_config(tiny_config.agent, None, str(PROJECT_ROOT / ".cache"), tools=())  # no tools
         task = asyncio.create_task(run_sample(client, settings, prompt, box, 0, state))
-        while state.llm_calls < 2 and not task.done():
+        while state.llm_calls < 2 and not task.done():  # noqa: ASYNC110 - polls a plain counter
             await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -207,9 +208,9 @@ def test_timed_out_sample_is_recorded_as_such(endpoint, tiny_model, tiny_config,
 
 def test_unreachable_server_fails_and_keeps_nothing_half_done(tiny_model, tiny_config, synthetic_data, small_eval,
                                                               tmp_path) -> None:
+    from stages.core.procs import free_port
     from stages.core.refs import EndpointRef
     from stages.eval.inference import InferenceIncomplete
-    from stages.core.procs import free_port
 
     dead = EndpointRef(url=f"http://127.0.0.1:{free_port()}/v1", model="smol", meta={"sampling_extras": True})
     with pytest.raises(InferenceIncomplete, match=r"2 of 2 synthetic samples could not reach.*rerun"):

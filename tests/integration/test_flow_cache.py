@@ -13,8 +13,8 @@ from stages.core.config import ConfigError, load_config
 from stages.core.config.data import DataSection
 from stages.core.plan import make_plan
 from stages.core.refs import DatasetRef
-from tasks.bootstrap import bootstrap_task
 from stages.data.prepare import data_key
+from tasks.bootstrap import bootstrap_task
 from tasks.common import call_stage, forced, run_stage, stage_task
 from tasks.data import data_task
 from tests.conftest import PROJECT_ROOT, TEST_OUTPUTS

@@ -44,8 +44,8 @@ def main(request_path: str, result_path: str) -> None:
     from stages.data import read_rl_parquet
     from stages.generation import GenRequest, SamplingSpec
     from stages.generation.prompts import PromptItem, build_prompt_items
-    from stages.rl.rollout import RolloutEngine
     from stages.generation.session import RolloutSession
+    from stages.rl.rollout import RolloutEngine
 
     req = json.loads(Path(request_path).read_text())
     torch.set_num_threads(1)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.agent.loop import LoopRules, Segment, Step, TextBudget, TextLoopState, TextSegment, next_step, \
-    run_text_loop
+from stages.agent.loop import LoopRules, Segment, Step, TextBudget, TextLoopState, TextSegment, next_step, run_text_loop
 from stages.agent.protocol import ANSWER_STOP, ToolCall
 from stages.core.env import PROJECT_ROOT
 from stages.generation.engine import TIRRollout

@@ -13,8 +13,7 @@ import pytest
 
 from stages.core.config.eval import JudgeSection
 from stages.core.refs import EndpointRef
-from stages.eval.judge import (PROMPT_HASH, Judge, JudgeRequest, VerdictCache, format_prompt,
-                               reply_says_correct)
+from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, VerdictCache, format_prompt, reply_says_correct
 
 
 class FakeJudgeServer:

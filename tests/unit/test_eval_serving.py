@@ -16,8 +16,8 @@ import pytest
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection, VLLMSection
 from stages.core.env import PROJECT_ROOT
-from stages.core.refs import EndpointRef, ModelRef
 from stages.core.procs import free_port, group_members, kill_group, launch
+from stages.core.refs import EndpointRef, ModelRef
 from stages.eval.serving import planned_endpoint, planned_judge, start_judge, start_server, stop_server
 from stages.eval.vllm_cmd import ServeError, resolve_executable, resolve_vllm, vllm_command, vllm_env
 

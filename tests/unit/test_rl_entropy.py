@@ -13,15 +13,13 @@ from stages.core.config.rl import RolloutSection
 from stages.core.registry import UnknownNameError
 from stages.generation.base import SamplingSpec
 from stages.generation.sampling import sample_tokens
-from stages.generation.vllm_backend import result_from_output
-from stages.rl.branching import aepo_branch_probability, arpo_branch_probability
 from stages.generation.token_entropy import (
-    ENTROPY_QUANTITIES,
-    LogprobView,
     TokenEntropy,
     view_from_logp,
     view_from_positions,
 )
+from stages.generation.vllm_backend import result_from_output
+from stages.rl.branching import aepo_branch_probability, arpo_branch_probability
 from stages.rl.entropy import EntropyWindow
 
 torch.set_num_threads(1)

@@ -25,12 +25,12 @@ from stages.generation.kvcache import (
     common_prefix,
 )
 from stages.generation.sampling import sample_tokens
+from stages.generation.token_entropy import TokenEntropy
 from stages.generation.vllm_backend import (
     VLLMNotInstalledError,
     result_from_output,
     sampling_kwargs,
 )
-from stages.generation.token_entropy import TokenEntropy
 from tests.unit.test_rl_rollout_fakes import ToyTokenizer
 
 torch.set_num_threads(1)

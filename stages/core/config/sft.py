@@ -52,7 +52,7 @@ class DPOSection(TrainingSection):
                                "trajectory as the chosen side; none = such questions give no pair")
 
     @model_validator(mode="after")
-    def _file_needs_path(self) -> "DPOSection":
+    def _file_needs_path(self) -> DPOSection:
         if self.enabled and self.source == "file" and not self.dataset_path:
             raise ValueError("sft.dpo.source=file needs sft.dpo.dataset_path (a sharegpt ranking .json/.jsonl)")
         return self
@@ -93,7 +93,7 @@ class SFTSection(TrainingSection):
     dpo: DPOSection = DPOSection()
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SFTSection":
+    def _consistent(self) -> SFTSection:
         if self.enabled and self.dataset == "file" and not self.dataset_path:
             raise ValueError("sft.dataset=file needs sft.dataset_path (an ARPO-SFT sharegpt or Tool-Star alpaca file)")
         if self.deepspeed and not self.deepspeed.endswith(".json"):

@@ -22,15 +22,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from stages.agent.stops import StopMatcher
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RolloutSection
 from stages.core.fingerprint import hash_value
 from stages.data import RLRow
-from stages.agent.stops import StopMatcher
 from stages.generation.base import (
     ForwardStats,
     GenRequest,
@@ -42,8 +42,8 @@ from stages.generation.base import (
 )
 from stages.generation.prompts import build_prompt_items
 from stages.generation.token_entropy import TokenEntropy
-from stages.rl.rollout import RolloutEngine
 from stages.generation.types import RolloutBatch
+from stages.rl.rollout import RolloutEngine
 from stages.rl.verl.settings import PluginSettings
 
 ENTROPY_FIELD = "arpo_entropies"   # per-token top-k entropy (nats) from our server replica
