@@ -5,7 +5,7 @@
 Same model (the tiny profile's SmolLM2-135M, fp32), same prompts (the `synthetic` questions in the TIR chat
 template, ~300 tokens each), greedy, each request generating up to `--max-tokens` tokens (EOS may end it earlier;
 throughput counts the tokens really generated). At concurrency c, c requests start together:
-- baseline, `transformers`: our rollout backend (stages.rl.backends.hf) in this process, the c prompts in one
+- baseline, `transformers`: our rollout backend (stages.generation.hf) in this process, the c prompts in one
   batched `generate` call; time to first token = the same batch with max_new_tokens=1 (prefill + one token);
 - `vllm`: the tiny profile's vLLM server (serve.backend=vllm, started through stages.eval.serving), c concurrent
   streamed chat-free completions with the openai client; time to first token = median over the c requests.
@@ -40,7 +40,7 @@ def bench_transformers(model_path: str, prompts: list[str], max_tokens: int) -> 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.rl.backends import GenRequest, SamplingSpec, load_backend
+    from stages.generation import GenRequest, SamplingSpec, load_backend
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -76,14 +76,16 @@ def train(cfg, policy, data, workdir: Path) -> list[dict]:
 def no_reuse_forward_tokens(cfg, policy, data) -> tuple[float, float]:
     """Step 1's rollout again, from the initial policy, same prompts and seed, KV reuse off."""
     from stages.data import read_rl_parquet
-    from stages.rl.modeling import load_policy, load_tokenizer
-    from stages.rl.session import RolloutSession
+    from stages.generation.models import load_policy, load_tokenizer
+    from stages.generation.session import RolloutSession
+    from stages.rl.rollout import RolloutEngine
     from stages.rl.trainer import epoch_order, rollout_seed
 
     rl = cfg.rl.model_copy(update={"rollout": cfg.rl.rollout.model_copy(update={"kv_reuse": False})})
     rows = read_rl_parquet(data.file("rl_train"))
     order = epoch_order(len(rows), 0, 0)[: rl.trainer.train_batch_size]
-    session = RolloutSession(rl, cfg.agent, load_policy(policy), load_tokenizer(policy), data, CACHE)
+    session = RolloutSession(rl.rollout, cfg.agent, load_policy(policy), load_tokenizer(policy), data, CACHE,
+                             engine=RolloutEngine)
     try:
         batch = session.rollout([rows[i] for i in order], seed=rollout_seed(0, 0))
     finally:

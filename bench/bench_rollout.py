@@ -36,7 +36,7 @@ def load(args):
     from stages.bootstrap import bootstrap_model
     from stages.core.config import load_config
     from stages.data import prepare_data, read_rl_parquet
-    from stages.rl.prompts import PromptItem, build_prompt_items
+    from stages.generation.prompts import PromptItem, build_prompt_items
 
     torch.set_num_threads(args.threads)
     config = load_config("tiny-cpu")
@@ -54,7 +54,7 @@ def load(args):
 
 
 def run_once(model, tok, box, prompts, section, reuse: bool) -> tuple[float, dict]:
-    from stages.rl.backends import load_backend
+    from stages.generation import load_backend
     from stages.rl.rollout import RolloutEngine
 
     backend = load_backend("transformers", model, tok, kv_reuse=reuse)

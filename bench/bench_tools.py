@@ -74,23 +74,21 @@ def concurrently(call, code: str, callers: int, calls: int) -> list[float]:
 def tree_cpu_s(root: int) -> float:
     """CPU seconds of `root` and every process below it, reaped children included (the sandbox's warm parent
     and the calls it forked)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    stats: dict[int, list[str]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stats[int(entry)] = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-    for pid, fields in stats.items():
-        children[int(fields[1])].append(pid)
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in stats:
-            total += sum(int(x) for x in stats[pid][11:15])  # utime stime cutime cstime
-            stack += children[pid]
-    return total / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    try:
+        top = psutil.Process(root)
+        procs = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # ended meanwhile: its time is in its parent's children_* now
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def cpu_per_call(box, run, code: str, calls: int) -> float:
@@ -150,7 +148,8 @@ def bench_python(repeats: int, callers: int, calls: int) -> None:
                                base_loaded, base_alone))
                 cpu = cpu_per_call(box, run, code, repeats)
                 print(f"  {'':<40} CPU per call {cpu * 1000:.1f} ms (sandbox processes + host): on an idle machine "
-                      f"{callers} callers on {os.cpu_count()} cores would wait about {callers * cpu / os.cpu_count() * 1000:.0f} ms")
+                      f"{callers} callers on {os.cpu_count()} cores would wait about "
+                      f"{callers * cpu / os.cpu_count() * 1000:.0f} ms")
             agent = AgentSection(python=PythonToolSection(seed=0), cache={"tools": ["search", "python"]})
             print(row("ToolBox cache hit (seeded python)", cached_toolbox_times(agent, code, repeats), base_alone))
     finally:

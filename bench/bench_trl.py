@@ -28,7 +28,7 @@ configure_environment()
 
 import torch
 
-from stages.rl.rewards import REWARDS, Reward
+from stages.agent.rewards import REWARDS, Reward
 
 
 def vowel_fraction(text: str) -> float:

@@ -7,13 +7,11 @@ config, a missing or malformed data file: `stages.core.errors.InputError`, print
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tomllib
 
-from stages.core.env import PROJECT_ROOT, configure_environment
-
-DEFAULT_PORT = 4200
+from flows import extra_commands
+from flows.server import default_port, start_prefect_server, use_local_server_if_running
+from stages.core.env import configure_environment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     stages = sub.add_parser("stages", help="list the pipeline stages in order")
     stages.set_defaults(handler=cmd_stages)
-    from flows import extra_commands
-
     extra_commands.register(sub)
     return parser
 
@@ -104,61 +100,6 @@ def cmd_server(args: argparse.Namespace) -> int:
         service = services.load("prefect-server")
         print(f"running at {service.url} (pid {service.pid})" if service else f"not running ({url})")
     return 0
-
-
-def start_prefect_server(port: int | None = None, crash_after: int | None = None):
-    """Start the local server (or find it running); a fresh one gets the automation that marks flow runs without
-    heartbeats Crashed (flows/automations.py)."""
-    from flows.automations import CRASH_AFTER_S, crash_silent_runs
-    from stages.core import services
-
-    port = port or default_port()
-    url = f"http://127.0.0.1:{port}"
-    running = services.load("prefect-server")
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    # The web UI asks the API at PREFECT_SERVER_UI_API_URL, which otherwise defaults to port 4200 (or to a
-    # PREFECT_API_URL inherited from the shell): on any other port the page would load and show nothing.
-    env = {"PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
-           "PREFECT_SERVER_UI_API_URL": f"{url}/api", "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
-    service = services.start("prefect-server", cmd, health_url=f"{url}/api/health", url=url, timeout=180, env=env)
-    after = CRASH_AFTER_S if crash_after is None else crash_after
-    if running is None and after:
-        crash_silent_runs(f"{service.url}/api", after)
-    return service
-
-
-def project_api_url() -> str | None:
-    """The API URL in the project's prefect.toml: what `prefect` commands typed in the project folder talk to."""
-    path = PROJECT_ROOT / "prefect.toml"
-    if not path.is_file():
-        return None
-    return tomllib.loads(path.read_text()).get("api", {}).get("url")
-
-
-def default_port() -> int:
-    """The port of prefect.toml's api.url, so `arpo server start` serves where `prefect` commands look."""
-    from urllib.parse import urlparse
-
-    url = project_api_url()
-    return (urlparse(url).port if url else None) or DEFAULT_PORT
-
-
-def use_local_server_if_running(ephemeral: bool = False) -> str | None:
-    """Point this process at the project's server when one answers (PREFECT_API_URL, the server `arpo server`
-    started, or prefect.toml's URL); else at an ephemeral one for this run (an empty PREFECT_API_URL, which also
-    overrides prefect.toml). Returns the server's URL, or None for ephemeral."""
-    from stages.core import services
-
-    if not ephemeral and os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"].removesuffix("/api")
-    service = None if ephemeral else services.load("prefect-server")
-    candidates = [] if ephemeral else [f"{service.url}/api" if service else None, project_api_url()]
-    for api in filter(None, candidates):
-        if services.healthy(f"{api}/health"):
-            os.environ["PREFECT_API_URL"] = api
-            return api.removesuffix("/api")
-    os.environ["PREFECT_API_URL"] = ""
-    return None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

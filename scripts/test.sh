@@ -14,4 +14,6 @@ if (( free_kib < 8 * 1024 * 1024 )); then
   echo "[test] WARNING: only $((free_kib / 1024)) MiB free under $tmp_dir; the tiny-model tests need ~8 GB." \
        "Free some space or point TMPDIR at a larger disk." >&2
 fi
+# lint first (ruff, pinned in the test extra; config in pyproject.toml): well under a second
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -m "not gpu" "$@"

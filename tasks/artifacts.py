@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import (
-    create_link_artifact,
     create_markdown_artifact,
     create_table_artifact,
 )
@@ -21,7 +20,7 @@ def _in_run() -> bool:
     try:
         get_run_context()
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - no run context is signalled by several exception types
         return False
 
 
@@ -46,8 +45,3 @@ def publish_image(key: str, png: str | Path, description: str = "") -> None:
     if _in_run() and path.is_file():
         data = base64.b64encode(path.read_bytes()).decode()
         publish_markdown(key, f"![{path.stem}](data:image/png;base64,{data})\n\n`{path}`", description)
-
-
-def publish_link(key: str, link: str, description: str = "") -> None:
-    if _in_run():
-        create_link_artifact(link=link, key=artifact_key(key), description=description, _sync=True)

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 from stages.bootstrap import bootstrap_model
+from stages.bootstrap.model import bootstrap_key
 from stages.core.config.model import ModelSection
 from stages.core.refs import ModelRef
-from tasks.common import stage_task
+from tasks.common import forced, stage_task
 
 
-@stage_task("bootstrap", "stages.bootstrap", retries=2)
-def bootstrap_task(cfg: ModelSection, output_root: str, cache_root: str, force: bool = False) -> ModelRef:
-    return bootstrap_model(cfg, output_root, cache_root, force=force)
+@stage_task("bootstrap", bootstrap_key, retries=2)
+def bootstrap_task(cfg: ModelSection, output_root: str, cache_root: str) -> ModelRef:
+    return bootstrap_model(cfg, output_root, cache_root, force=forced())

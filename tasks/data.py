@@ -3,13 +3,14 @@ from __future__ import annotations
 from stages.core.config.data import DataSection
 from stages.core.refs import DatasetRef
 from stages.data import prepare_data
+from stages.data.prepare import data_key
 from tasks.artifacts import publish_table
-from tasks.common import stage_task
+from tasks.common import forced, stage_task
 
 
-@stage_task("data", "stages.data")
-def data_task(cfg: DataSection, output_root: str, force: bool = False) -> DatasetRef:
-    ref = prepare_data(cfg, output_root, force=force)
+@stage_task("data", data_key)
+def data_task(cfg: DataSection, output_root: str) -> DatasetRef:
+    ref = prepare_data(cfg, output_root, force=forced())
     publish_table("data-files", [{"role": role, "path": path} for role, path in ref.files.items()],
                   f"Data ({cfg.source}) in {ref.path}")
     return ref

@@ -4,13 +4,12 @@ In a flow, stop what you serve even when a later task fails:
     endpoint = serve_task(cfg.serve, model, log_dir)
     try: ... infer_task(..., endpoint=endpoint, ...) ...
     finally: stop_task(endpoint)
-(`served(...)` below does exactly that). If the flow process dies outright, the server's supervisor kills it.
+(flows/pipeline.py `evaluate` does exactly that). If the flow process dies outright, the server's supervisor
+kills it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -53,12 +52,3 @@ def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str
 def stop_task(endpoint: EndpointRef | None) -> None:
     stop_server(endpoint)
     unfollow_log(endpoint.meta.get("log") if endpoint else None)
-
-
-@contextmanager
-def served(cfg: ServeSection, model: ModelRef, log_dir: str) -> Iterator[EndpointRef]:
-    endpoint = serve_task(cfg, model, log_dir)
-    try:
-        yield endpoint
-    finally:
-        stop_task(endpoint)

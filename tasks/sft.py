@@ -1,6 +1,7 @@
 """SFT and self-critic DPO tasks: cached stage calls that publish the loss curve and the metrics table.
 
-`python` runs the stage under another interpreter (config `run.interpreters`); it is not part of the cache key.
+`python` runs the stage under another interpreter (config `run.interpreters`); it is not part of the cache key,
+which is the stage's own (`sft_key`, `dpo_key`).
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ from __future__ import annotations
 from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+from stages.sft.dpo import dpo_key
+from stages.sft.stage import sft_key
 from tasks.artifacts import publish_image, publish_table
-from tasks.common import call_stage, stage_task
+from tasks.common import call_stage, forced, stage_task
 from tasks.secrets import export_search_key
 
 
@@ -21,22 +24,22 @@ def _publish(stage: str, ref: CheckpointRef) -> None:
                   f"{stage}: training and data metrics ({ref.path})")
 
 
-@stage_task("sft", "stages.sft", "stages.agent")
+@stage_task("sft", sft_key)
 def sft_task(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: DatasetRef, output_root: str,
-             cache_root: str, python: str | None = None, force: bool = False) -> CheckpointRef:
+             cache_root: str, python: str | None = None) -> CheckpointRef:
     export_search_key(agent)
     ref = call_stage("stages.sft.stage:run_sft", python, cfg=cfg, agent=agent, model=model, data=data,
-                     output_root=output_root, cache_root=cache_root, force=force)
+                     output_root=output_root, cache_root=cache_root, force=forced())
     _publish("sft", ref)
     return ref
 
 
-@stage_task("dpo", "stages.sft", "stages.agent", "stages.rl")
+@stage_task("dpo", dpo_key)
 def dpo_task(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef, output_root: str,
-             cache_root: str, python: str | None = None, force: bool = False) -> CheckpointRef:
+             cache_root: str, python: str | None = None) -> CheckpointRef:
     export_search_key(agent)
     ref = call_stage("stages.sft.dpo:run_dpo", python, cfg=cfg, agent=agent, checkpoint=checkpoint, data=data,
-                     output_root=output_root, cache_root=cache_root, force=force)
+                     output_root=output_root, cache_root=cache_root, force=forced())
     if ref.path != checkpoint.path:
         _publish("dpo", ref)
     return ref

@@ -99,7 +99,7 @@ def _stop_vllm() -> None:
     """Stop the session's vLLM server; no process may be left and the port must be free."""
     import socket
 
-    from stages.eval.procs import group_members
+    from stages.core.procs import group_members
     from stages.eval.serving import stop_server
 
     endpoint = _VLLM.pop("endpoint", None)

@@ -2,7 +2,8 @@
 
 Templates (file stems): `tir_search_python` (the reference system prompt, research/arpo.md 4.2),
 `tir_search_python_zh` (the reference's Chinese prompt `code_search_cn`, which its Chinese inference script uses
-for xbench), `tir_search` (search only), `tir_python` (python only), `no_tool`. Which tools a template offers is read from the tags
+for xbench), `tir_search` (search only), `tir_python` (python only), `no_tool`. Which tools a template offers is read
+from the tags
 its text demonstrates, so a new template file needs no code change.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from stages.agent.protocol import TOOLS
+from stages.agent.tools import tool_names
 from stages.core.templates import load_template
 
 
@@ -30,7 +31,7 @@ def build_messages(question: str, template: str = "tir_search_python") -> list[d
 def template_tools(template: str = "tir_search_python") -> tuple[str, ...]:
     """Tools a template offers: those whose `<tool>` tag its text demonstrates ("search", "python")."""
     text = system_prompt(template)
-    return tuple(tool for tool in TOOLS if f"<{tool}>" in text)
+    return tuple(tool for tool in tool_names() if f"<{tool}>" in text)
 
 
 def stop_tags(template: str = "tir_search_python") -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """The tool-integrated reasoning (TIR) text protocol: pure functions, no I/O.
 
-Tags (research/arpo.md 4.1): `<think>…</think>`, `<search>query</search>`, `<python>code</python>`, the
-environment's `<result>…</result>`, and `<answer>… \\boxed{X} …</answer>`. Generation stops at a closing tool
+Tags (research/arpo.md 4.1): `<think>…</think>`, a call `<tool>argument</tool>` of every registered tool
+(stages/agent/tools.py: `<search>query</search>`, `<python>code</python>`), the environment's
+`<result>…</result>`, and `<answer>… \\boxed{X} …</answer>`. Generation stops at a closing tool
 tag (`STOP_TAGS`); the caller runs the tool and appends `render_result(text)`.
 
 Every function here accepts arbitrary model output (truncated, nested, mismatched tags) without raising.
@@ -12,22 +13,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-STOP_TAGS: tuple[str, ...] = ("</search>", "</python>")
+from stages.agent.tools import TOOLS as TOOL_CLASSES
+from stages.agent.tools import tool_names
+
+# The tools registered when stages.agent.tools is imported (the built-ins), in protocol order. The functions
+# below read the registry at call time, so a tool registered later is parsed and checked like these.
+TOOLS: tuple[str, ...] = tool_names()
+STOP_TAGS: tuple[str, ...] = tuple(f"</{tool}>" for tool in TOOLS)
 ANSWER_STOP = "</answer>"
-TOOLS: tuple[str, ...] = ("search", "python")
 
 # Feedback the environment gives inside <result> instead of silently stopping (ARPO eval `completion` modes).
 LIMIT_MESSAGES = {
-    "python": "The maximum python call limit is exceeded. You are not allowed to use python.",
-    "search": "The maximum search call limit is exceeded. You are not allowed to use search.",
+    **{tool: TOOL_CLASSES.get(tool).limit_message() for tool in TOOLS},
     "total": "The maximum tool call limit is exceeded. You are not allowed to call tools anymore; "
              "give your final answer.",
 }
 REPEAT_MESSAGE = "You have searched this query. Please refer to previous results."
-EMPTY_MESSAGES = {
-    "search": "The search query is empty. Write the query between <search> and </search>.",
-    "python": "The python code is empty. Write the code between <python> and </python>.",
-}
 
 _RESULT_BLOCK = re.compile(r"<result>.*?(?:</result>|\Z)", re.DOTALL)
 _BOX_OPENERS = ("\\boxed{", "\\fbox{", "\x08oxed{")  # 0x08: the reference data's "\b"oxed quirk
@@ -35,7 +36,7 @@ _BOX_OPENERS = ("\\boxed{", "\\fbox{", "\x08oxed{")  # 0x08: the reference data'
 
 @dataclass(frozen=True)
 class ToolCall:
-    tool: str  # one of TOOLS
+    tool: str  # a registered tool
     argument: str  # the query or the code, stripped of surrounding whitespace
 
 
@@ -61,9 +62,10 @@ def parse_tool_call(text: str, stop: str | None = None) -> ToolCall | None:
     `<python>x</search>` (mismatched) and text without an open call give None.
     """
     segment = _last_segment(text).rstrip()
-    if stop is not None and stop not in STOP_TAGS:
+    tools = tool_names()
+    if stop is not None and stop not in tuple(f"</{tool}>" for tool in tools):
         return None
-    for tool in TOOLS:
+    for tool in tools:
         close = f"</{tool}>"
         if (stop == close) or (stop is None and segment.endswith(close)):
             body = segment.removesuffix(close)
@@ -75,7 +77,7 @@ def parse_tool_call(text: str, stop: str | None = None) -> ToolCall | None:
         return None
     # closing tag stripped by the server: the latest opening tag that has no closing tag after it
     best: tuple[int, str] | None = None
-    for tool in TOOLS:
+    for tool in tools:
         start = segment.rfind(f"<{tool}>")
         if start >= 0 and f"</{tool}>" not in segment[start:] and (best is None or start > best[0]):
             best = (start, tool)
@@ -85,26 +87,9 @@ def parse_tool_call(text: str, stop: str | None = None) -> ToolCall | None:
     return ToolCall(tool, segment[start + len(tool) + 2:].strip())
 
 
-def cut_at_stop(text: str, stops: tuple[str, ...] = STOP_TAGS + (ANSWER_STOP,)) -> tuple[str, str | None]:
-    """Truncate `text` right after the first stop tag; return (text, stop or None).
-
-    For servers that ignore stop sequences (ARPO eval bug 8.5.4): the client cuts the output itself.
-    """
-    hits = [(text.find(s), s) for s in stops if s in text]
-    if not hits:
-        return text, None
-    pos, stop = min(hits)
-    return text[: pos + len(stop)], stop
-
-
 def render_result(text: str) -> str:
     """The environment's insertion after a tool call, in the RL/training form (leading space, newlines)."""
     return f" <result>\n{text}\n</result>"
-
-
-def render_result_compact(text: str) -> str:
-    """The ARPO evaluation form `<result>{text}</result>` (no spaces or newlines)."""
-    return f"<result>{text}</result>"
 
 
 def _boxed_contents(text: str, openers: tuple[str, ...] = _BOX_OPENERS) -> list[str]:
@@ -185,7 +170,7 @@ def check_format(response: str) -> FormatCheck:
         return FormatCheck(False, "<think> or </think> not found")
     if response.count("<answer>") != 1 or response.count("</answer>") != 1:
         return FormatCheck(False, "<answer> or </answer> not found exactly once")
-    for tool in TOOLS:
+    for tool in tool_names():
         problem = _pairs_ok(response, tool)
         if problem:
             return FormatCheck(False, problem)
@@ -200,4 +185,4 @@ def check_format(response: str) -> FormatCheck:
 def count_tool_calls(response: str) -> dict[str, int]:
     """Complete `<tool>…</tool>` pairs per tool, ignoring anything inside `<result>` blocks."""
     text = _RESULT_BLOCK.sub("", response)
-    return {tool: len(re.findall(rf"<{tool}>.*?</{tool}>", text, re.DOTALL)) for tool in TOOLS}
+    return {tool: len(re.findall(rf"<{tool}>.*?</{tool}>", text, re.DOTALL)) for tool in tool_names()}

@@ -79,8 +79,10 @@ def bwrap_args(paths: InterpreterPaths, privileged: bool, workdir_mb: int, binar
     prefixes, fresh /proc and /dev, size-capped tmpfs for the working dir and /tmp, nothing else of the host.
     The tmpfs mounts come first and the read-only binds after them, so an interpreter under /tmp (a repo cloned
     there) stays visible. Capabilities: only what the parent needs to give each call namespaces of its own
-    (CAP_SYS_ADMIN; CAP_NET_ADMIN to bring up each call's loopback) and, as root, to switch each call to an unprivileged uid (CAP_SETUID/SETGID); every call
-    drops all of them before the model's code runs (CAP_KILL lets the parent end a call that runs as another uid). Without root, a user namespace holds them.
+    (CAP_SYS_ADMIN; CAP_NET_ADMIN to bring up each call's loopback) and, as root, to switch each call to an
+    unprivileged uid (CAP_SETUID/SETGID); every call
+    drops all of them before the model's code runs (CAP_KILL lets the parent end a call that runs as another uid).
+    Without root, a user namespace holds them.
     """
     args = [binary, "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
             "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox", "--cap-drop", "ALL",

@@ -7,7 +7,8 @@
 
 Over a per-tool or total limit, on an empty argument, a repeated search query or an unavailable tool, the
 call is not run and `result.text` says why (the model reads it inside <result>); `result.meta["rejected"]`
-names the reason. Successful results of the tools in `agent.cache.tools` are cached in SQLite.
+names the reason. Successful results of the tools in `agent.cache.tools` are cached in SQLite. The tools
+themselves come from the tool registry (stages/agent/tools.py): the ToolBox knows no tool by name.
 
 Whatever text the model wrote, `execute` returns a ToolResult and never raises: lone surrogates (which JSON
 decoders produce from `"\\ud800"`) become U+FFFD before any tool sees the argument, and an unexpected failure of
@@ -21,60 +22,35 @@ import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
 from stages.agent.cache import ToolCache
-from stages.agent.inference_tools import CodeDebugger, HelperLLM
 from stages.agent.prompts import template_tools
-from stages.agent.protocol import (
-    EMPTY_MESSAGES,
-    LIMIT_MESSAGES,
-    REPEAT_MESSAGE,
-    TOOLS,
-    ToolCall,
-)
-from stages.agent.sandbox import PythonSandbox
-from stages.agent.search import (
-    SearchBackend,
-    SearchError,
-    SearchMiss,
-    build_search,
-    format_passages,
-    normalize_query,
-)
+from stages.agent.protocol import LIMIT_MESSAGES, REPEAT_MESSAGE, ToolCall
+from stages.agent.tools import MISS_MESSAGE, TOOLS, CallState, Tool, ToolEnv, tool_names
 from stages.core.config.agent import AgentSection
-from stages.core.fingerprint import code_version, hash_value
 from stages.core.log import get_logger
+from stages.core.refs import DatasetRef
 
 log = get_logger(__name__)
-MISS_MESSAGE = "No recorded search result for this query."
-SEARCH_FAILED = "The search tool failed for this query. Try again later or continue without it."
 TOOL_FAILED = "The {tool} tool failed on this input ({error}). Continue without it or try different input."
 _SURROGATE = re.compile("[\ud800-\udfff]")
-SANDBOX_MODULES = ("stages.agent.sandbox", "stages.agent.sandbox_isolation", "stages.agent.sandbox_os",
-                   "stages.agent.sandbox_runner", "stages.agent.sandbox_spec", "stages.agent.sandbox_zygote")
+
+__all__ = ["MISS_MESSAGE", "CallState", "ToolBox", "ToolResult", "corpus_path", "valid_text"]
+
+
+def corpus_path(agent: AgentSection, data: DatasetRef | None) -> str | None:
+    """The search corpus: the agent section's explicit path, else the data stage's corpus file."""
+    return agent.search.corpus_path or (data.files.get("corpus") if data is not None else None)
 
 
 def valid_text(text: str) -> str:
     """`text` as valid Unicode: each lone surrogate (not encodable as UTF-8) becomes U+FFFD."""
     return _SURROGATE.sub("\ufffd", text)
-
-
-@dataclass
-class CallState:
-    """Per-trajectory tool counters and seen queries. `copy()` gives a branch its own copy of the prefix's."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    total: int = 0
-    rejected: int = 0
-    seen_queries: set[str] = field(default_factory=set)
-    debug_used: int = 0
-
-    def copy(self) -> CallState:
-        return CallState(dict(self.counts), self.total, self.rejected, set(self.seen_queries), self.debug_used)
 
 
 @dataclass(frozen=True)
@@ -88,11 +64,11 @@ class ToolResult:
 
 
 class ToolBox:
-    def __init__(self, cfg: AgentSection, search: SearchBackend | None, sandbox: PythonSandbox | None,
-                 cache: ToolCache | None = None, debugger: CodeDebugger | None = None) -> None:
-        self.cfg, self.search, self.sandbox, self.cache, self.debugger = cfg, search, sandbox, cache, debugger
-        self.tools = tuple(t for t, ok in (("search", search), ("python", sandbox)) if ok is not None)
-        self._versions = {"search": self._search_version(), "python": self._python_version()}
+    def __init__(self, cfg: AgentSection, tools: Mapping[str, Tool], cache: ToolCache | None = None) -> None:
+        self.cfg, self.cache = cfg, cache
+        self._tools = {name: tools[name] for name in tool_names() if name in tools}  # protocol order
+        self.tools = tuple(self._tools)
+        self._versions = {name: tool.version() for name, tool in self._tools.items()}
         self._lock = threading.Lock()
         self._stats: dict[str, float] = defaultdict(float)
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="toolbox")
@@ -104,77 +80,56 @@ class ToolBox:
         """Build the tools the prompt template offers (or `tools`); `helper_*` name the debugger's LLM when
         `agent.inference.llm_url/llm_model` are unset (e.g. the served policy)."""
         wanted = template_tools(cfg.prompt_template) if tools is None else tools
-        unknown = set(wanted) - set(TOOLS)
-        if unknown:
-            raise ValueError(f"unknown tools {sorted(unknown)}; known: {list(TOOLS)}")
-        search = build_search(cfg.search, corpus_path, cache_root) if "search" in wanted else None
-        sandbox = PythonSandbox(cfg.python) if "python" in wanted else None
+        for name in (*wanted, *cfg.cache.tools):
+            TOOLS.get(name)  # an unknown tool fails here, naming the registered ones
+        env = ToolEnv(corpus_path, str(cache_root), helper_url, helper_model)
+        built = {name: TOOLS.get(name)(cfg, env) for name in tool_names() if name in wanted}
         cache = None
         if cfg.cache.enabled:
             cache = ToolCache(cfg.cache.path or Path(cache_root) / "tool_cache.sqlite")
-        debugger = None
-        if cfg.inference.debugger and sandbox is not None:
-            debugger = CodeDebugger(HelperLLM.from_config(cfg.inference, helper_url, helper_model))
-        return cls(cfg, search, sandbox, cache, debugger)
+        return cls(cfg, built, cache)
+
+    def tool(self, name: str) -> Tool:
+        return self._tools[name]
 
     def new_state(self) -> CallState:
         return CallState()
 
-    # ---- versions: a cached result is reused only by the same tool code and settings ------------------------
-    def _search_version(self) -> str:
-        if self.search is None:
-            return ""
-        modules = ["stages.agent.search.base"]
-        if self.search.name in ("local", "server", "web", "replay"):
-            modules.append(f"stages.agent.search.{self.search.name}")
-        s = self.cfg.search
-        return hash_value(code_version(*modules), s.top_k, s.max_chars_per_passage)
-
-    def _python_version(self) -> str:
-        """The sandbox's code and everything that changes what a call prints: the isolation mode actually in use
-        (a host file readable under rlimit is not under bwrap), limits, seed, preloads, interpreter and its
-        package versions (PythonSandbox.identity)."""
-        if self.sandbox is None:
-            return ""
-        return hash_value(code_version(*SANDBOX_MODULES), self.sandbox.identity())
-
-    def _backend_id(self, tool: str) -> str:
-        if tool == "search" and self.search is not None:
-            return f"{self.search.name}:{self.search.corpus_id}"
-        return f"sandbox:{self.sandbox.mode}:{self.sandbox.executable}" if self.sandbox else ""
-
     # ---- admission: limits, empty arguments, repeats (under the lock: states may be shared) -----------------
     def _admit(self, call: ToolCall, state: CallState) -> tuple[str | None, str]:
         """(rejection reason or None, the argument to run)."""
-        tool, limits = call.tool, self.cfg.limits
-        if tool not in self.tools:
+        name, limits = call.tool, self.cfg.limits
+        tool = self._tools.get(name)
+        if tool is None:
             return "unavailable", call.argument
-        per_tool = {"python": limits.max_python, "search": limits.max_search}.get(tool)
-        if per_tool is not None and state.counts.get(tool, 0) >= per_tool:
+        per_tool = getattr(limits, f"max_{name}", None)
+        if per_tool is not None and state.counts.get(name, 0) >= per_tool:
             state.rejected += 1
-            return f"limit:{tool}", call.argument
+            return f"limit:{name}", call.argument
         if state.total >= limits.max_calls:
             state.rejected += 1
             return "limit:total", call.argument
-        state.counts[tool] = state.counts.get(tool, 0) + 1
+        state.counts[name] = state.counts.get(name, 0) + 1
         state.total += 1
         if not call.argument.strip():
             return "empty", call.argument
-        if tool != "search":
-            return None, call.argument
-        query = normalize_query(call.argument)
-        key = query.casefold()
+        argument = tool.prepare(call.argument)
+        key = tool.repeat_key(argument)
+        if key is None:
+            return None, argument
         if limits.reject_repeated_queries and key in state.seen_queries:
-            return "repeated", query
+            return "repeated", argument
         state.seen_queries.add(key)
-        return None, query
+        return None, argument
 
     @staticmethod
     def _rejection_text(reason: str, tool: str) -> str:
+        if reason == "limit:total":
+            return LIMIT_MESSAGES["total"]
         if reason.startswith("limit:"):
-            return LIMIT_MESSAGES[reason.split(":", 1)[1]]
+            return TOOLS.get(tool).limit_message()
         if reason == "empty":
-            return EMPTY_MESSAGES.get(tool, "The tool call is empty.")
+            return TOOLS.get(tool).empty_message()
         if reason == "repeated":
             return REPEAT_MESSAGE
         return f"The {tool} tool is not available in this task."
@@ -198,40 +153,18 @@ class ToolBox:
         self._record(result)
         return result
 
-    def _cached_or_run(self, tool: str, argument: str, state: CallState, start: float) -> ToolResult:
-        use_cache = self.cache is not None and tool in self.cfg.cache.tools
-        key = (tool, self._versions[tool], argument, self._backend_id(tool))
+    def _cached_or_run(self, name: str, argument: str, state: CallState, start: float) -> ToolResult:
+        tool = self._tools[name]
+        use_cache = self.cache is not None and name in self.cfg.cache.tools
+        key = (name, self._versions[name], argument, tool.backend_id())
         if use_cache:
             hit = self.cache.get(*key)
             if hit is not None:
-                return ToolResult(tool, hit["text"], True, time.monotonic() - start, True, hit.get("meta", {}))
-        text, ok, meta = self._run_search(argument) if tool == "search" else self._run_python(argument, state)
-        if use_cache and ok and not meta.get("debugged"):
-            self.cache.put(*key, {"text": text, "meta": meta})
-        return ToolResult(tool, text, ok, time.monotonic() - start, False, meta)
-
-    def _run_search(self, query: str) -> tuple[str, bool, dict]:
-        s = self.cfg.search
-        try:
-            passages = self.search.search(query, s.top_k)
-        except SearchMiss as miss:
-            return MISS_MESSAGE, False, {"miss": True, "error": str(miss)}
-        except SearchError as err:
-            return SEARCH_FAILED, False, {"error": str(err)}
-        return format_passages(passages, s.max_chars_per_passage), True, {"ids": [p.id for p in passages]}
-
-    def _run_python(self, code: str, state: CallState) -> tuple[str, bool, dict]:
-        result = self.sandbox.run(code)
-        meta = {**result.meta, "status": result.status}
-        if not result.ok and self.debugger is not None and result.status in ("error", "timeout", "cpu_limit"):
-            with self._lock:
-                allowed = state.debug_used < self.cfg.inference.max_debug
-                state.debug_used += allowed
-            fixed = self.debugger.fix(code, result.text) if allowed else None
-            if fixed is not None:
-                result = self.sandbox.run(fixed)
-                meta = {**result.meta, "status": result.status, "debugged": True, "debug_code": fixed}
-        return result.text, result.ok, meta
+                return ToolResult(name, hit["text"], True, time.monotonic() - start, True, hit.get("meta", {}))
+        out = tool.run(argument, state)
+        if use_cache and tool.cacheable(out):
+            self.cache.put(*key, {"text": out.text, "meta": out.meta})
+        return ToolResult(name, out.text, out.ok, time.monotonic() - start, False, out.meta)
 
     def execute_many(self, items: list[tuple[ToolCall, CallState]]) -> list[ToolResult]:
         """Run calls concurrently (`agent.concurrency` at once); results in the order of `items`."""
@@ -261,7 +194,7 @@ class ToolBox:
         """calls, errors, rejections, latency mean/max (overall and per tool), cache hits/misses."""
         with self._lock:
             out = dict(self._stats)
-        for prefix in ["", *(f"{t}_" for t in TOOLS)]:
+        for prefix in ["", *(f"{t}_" for t in tool_names())]:
             calls = out.get(f"{prefix}calls", 0.0)
             if calls:
                 out[f"{prefix}latency_mean_s"] = out.pop(f"{prefix}latency_sum_s") / calls
@@ -272,7 +205,7 @@ class ToolBox:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for part in (self.sandbox, self.search, self.cache):
+        for part in (*self._tools.values(), self.cache):
             if part is not None:
                 part.close()
 

@@ -27,10 +27,14 @@ class ModelNotAvailableError(RuntimeError):
     """The configured model cannot be found offline; the message says how to provide it."""
 
 
+def bootstrap_key(cfg: ModelSection) -> str:
+    """The stage's one key (its folder name and its Prefect cache key)."""
+    return hash_value(cfg, code_version("stages.bootstrap"))
+
+
 def bootstrap_model(cfg: ModelSection, output_root: str | Path, cache_root: str | Path,
                     force: bool = False) -> ModelRef:
-    key = hash_value(cfg, code_version("stages.bootstrap"))
-    out = stage_dir(output_root, "bootstrap", key, force=force)
+    out = stage_dir(output_root, "bootstrap", bootstrap_key(cfg), force=force)
     model_dir = out.path / "model"
     if not out.complete:
         if cfg.source == "pypi_gguf":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ def hash_path(path: str | Path, exclude: tuple[str, ...] = ()) -> str:
     return digest.hexdigest()[:16]
 
 
-@lru_cache(maxsize=None)
+@cache
 def code_version(*packages: str) -> str:
     """Hash of every .py file of the given packages (e.g. "stages.sft", "stages.core").
 

@@ -64,6 +64,12 @@ class EndpointRef(BaseModel):
     model_fingerprint: str = ""
     meta: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def identity(self) -> str:
+        """What the endpoint *is* (served name + weights fingerprint), never where it runs (URL/port): what a
+        cache key hashes."""
+        return f"{self.model}@{self.model_fingerprint}" if self.model_fingerprint else self.model
+
 
 class PredictionsRef(Ref):
     kind: Literal["predictions"] = "predictions"

@@ -39,7 +39,8 @@ class Registry(Generic[F]):
         def decorator(fn: F) -> F:
             existing = self._entries.get(name)
             if existing is not None and existing is not fn and existing.__qualname__ != fn.__qualname__:
-                raise ValueError(f"{self.kind} {name!r} is already registered to {existing.__module__}.{existing.__qualname__}")
+                owner = f"{existing.__module__}.{existing.__qualname__}"
+                raise ValueError(f"{self.kind} {name!r} is already registered to {owner}")
             self._entries[name] = fn
             return fn
 
@@ -57,6 +58,10 @@ class Registry(Generic[F]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def ordered(self) -> list[str]:
+        """Names in registration order (for registries whose order means something, e.g. the tools' tags)."""
+        return list(self._entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

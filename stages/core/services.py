@@ -1,21 +1,20 @@
-"""Background services the CLI manages: start detached with a log file, wait for health, stop by process group.
+"""Background services the CLI manages (the local Prefect server and workers): started detached through the one
+process manager (stages/core/procs.py) with a log file, waited for until healthy, stopped by process group.
 
-Used for the local Prefect server (web UI + API on SQLite) and the Prefect worker. State lives in
-<project>/.prefect/services/<name>.json so `arpo server status|stop` work from any shell.
+State lives in <project>/.prefect/services/<name>.json so `arpo server status|stop` work from any shell.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stages.core import procs
 from stages.core.atomic import write_json
+
+healthy = procs.healthy
 
 
 @dataclass(frozen=True)
@@ -30,31 +29,12 @@ def state_dir() -> Path:
     return Path(os.environ.get("PREFECT_HOME", ".prefect")) / "services"
 
 
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status == 200
-    except Exception:
-        return False
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:  # a zombie child counts as dead
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def load(name: str) -> Service | None:
     path = state_dir() / f"{name}.json"
     if not path.is_file():
         return None
     service = Service(**json.loads(path.read_text()))
-    return service if alive(service.pid) else None
+    return service if procs.alive(service.pid) else None
 
 
 def start(name: str, cmd: list[str], health_url: str | None, url: str = "", timeout: float = 120.0,
@@ -66,21 +46,15 @@ def start(name: str, cmd: list[str], health_url: str | None, url: str = "", time
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{name}.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+    proc = procs.launch(cmd, log_path, env={**os.environ, **(env or {})}, supervised=False)
     service = Service(name=name, pid=proc.pid, url=url, log=str(log_path))
     write_json(folder / f"{name}.json", asdict(service))
-    deadline = time.monotonic() + timeout
-    while health_url and not healthy(health_url):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} while starting; last log lines:\n"
-                               + tail(log_path))
-        if time.monotonic() > deadline:
-            stop(name)
-            raise TimeoutError(f"{name} not healthy at {health_url} after {timeout:.0f}s; log: {log_path}\n"
-                               + tail(log_path))
-        time.sleep(0.5)
+    if health_url:
+        try:
+            procs.wait_ready(proc, log_path, timeout, lambda: healthy(health_url), f"healthy at {health_url}",
+                             on_fail=lambda: stop(name))
+        except procs.NotReady as err:
+            raise RuntimeError(f"{name} {err}") from None
     return service
 
 
@@ -89,21 +63,6 @@ def stop(name: str, grace: float = 10.0) -> bool:
     if not path.is_file():
         return False
     service = Service(**json.loads(path.read_text()))
-    try:
-        os.killpg(service.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while alive(service.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if alive(service.pid):
-            os.killpg(service.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    procs.kill_group(service.pid, grace)
     path.unlink(missing_ok=True)
     return True
-
-
-def tail(path: str | Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

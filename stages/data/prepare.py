@@ -23,10 +23,14 @@ from stages.data.synthetic import generate
 log = get_logger(__name__)
 
 
-def prepare_data(cfg: DataSection, output_root: str | Path, force: bool = False) -> DatasetRef:
+def data_key(cfg: DataSection) -> str:
+    """The stage's one key (its folder name and its Prefect cache key): the section, the input files, the prompt."""
     inputs = [hash_path(p) for p in (cfg.train_path, cfg.valid_path, cfg.corpus_path) if p]
-    key = hash_value(cfg, inputs, load_template(cfg.system_prompt), code_version("stages.data"))
-    out = stage_dir(output_root, "data", key, force=force)
+    return hash_value(cfg, inputs, load_template(cfg.system_prompt), code_version("stages.data"))
+
+
+def prepare_data(cfg: DataSection, output_root: str | Path, force: bool = False) -> DatasetRef:
+    out = stage_dir(output_root, "data", data_key(cfg), force=force)
     files = {"rl_train": "rl_train.parquet", "rl_valid": "rl_valid.parquet"}
     if cfg.source == "synthetic":
         files |= {"eval_test": "eval_test.jsonl", "corpus": "corpus.jsonl", "tasks": "tasks.jsonl"}

@@ -25,6 +25,7 @@ from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.core.reporter import track
 from stages.core.workspace import stage_dir
 from stages.eval.agent_loop import LoopSettings, SampleState, run_sample
+from stages.eval.rows import PredictionRow
 
 log = get_logger(__name__)
 
@@ -55,10 +56,6 @@ def eval_agent(cfg: EvalSection, agent: AgentSection) -> AgentSection:
     return agent.model_copy(update={"limits": limits})
 
 
-def corpus_path(agent: AgentSection, data: DatasetRef) -> str | None:
-    return agent.search.corpus_path or data.files.get("corpus")
-
-
 def benchmark_template(cfg: EvalSection, agent: AgentSection, benchmark: str) -> str:
     """The system prompt template this benchmark runs with (its own, e.g. xbench's Chinese one, or the run's)."""
     from stages.eval.benchmarks import get_spec, prompt_template_for
@@ -68,13 +65,29 @@ def benchmark_template(cfg: EvalSection, agent: AgentSection, benchmark: str) ->
 
 def inference_key(cfg: EvalSection, agent: AgentSection, benchmark: str, content_hash: str, model: ModelRef,
                   endpoint: EndpointRef, data: DatasetRef) -> str:
+    """What the predictions depend on: the generation settings (not the judge, pass@k or bootstrap, which only
+    rescore), the agent, the benchmark's content, the model, what answers at the endpoint (served name + weights,
+    never its URL) and the sampling extras it accepts, the corpus, the prompt and the code."""
     from stages.agent.prompts import system_prompt
 
     corpus = agent.search.corpus_path or (data.fingerprint if "corpus" in data.files else None)
     template = benchmark_template(cfg, agent, benchmark)
     return hash_value(cfg.model_dump(include=GENERATION_KEYS), eval_agent(cfg, agent), benchmark, content_hash,
-                      model.fingerprint, corpus, sampling_extras(cfg, endpoint), template, system_prompt(template),
-                      code_version(*CODE))
+                      model.fingerprint, endpoint.identity, corpus, sampling_extras(cfg, endpoint), template,
+                      system_prompt(template), code_version(*CODE))
+
+
+def load(cfg: EvalSection, benchmark: str, data: DatasetRef) -> Any:
+    from stages.eval.benchmarks import load_benchmark
+
+    synthetic = data.files.get("eval_test") if benchmark == "synthetic" else None
+    return load_benchmark(benchmark, cfg.data_root, cap=cfg.max_questions, synthetic_path=synthetic)
+
+
+def infer_key(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
+              data: DatasetRef) -> str:
+    """The stage's one key (its folder name and its Prefect cache key), from the entry point's own arguments."""
+    return inference_key(cfg, agent, benchmark, load(cfg, benchmark, data).content_hash, model, endpoint, data)
 
 
 def sample_seed(benchmark: str, item_id: str, sample: int) -> int:
@@ -103,17 +116,14 @@ def append_row(handle: Any, row: dict[str, Any]) -> None:
 def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
                   data: DatasetRef, output_root: str | Path, cache_root: str | Path,
                   force: bool = False) -> PredictionsRef:
-    from stages.eval.benchmarks import load_benchmark
-
-    synthetic = data.files.get("eval_test") if benchmark == "synthetic" else None
-    loaded = load_benchmark(benchmark, cfg.data_root, cap=cfg.max_questions, synthetic_path=synthetic)
+    loaded = load(cfg, benchmark, data)
     key = inference_key(cfg, agent, benchmark, loaded.content_hash, model, endpoint, data)
     out = stage_dir(output_root, STAGE, key, force=force)
     final = out.path / FINAL
     if not out.complete:
         started = time.monotonic()
         rows, ran = asyncio.run(_infer_all(cfg, agent, loaded, model, endpoint, data, out.path, Path(cache_root)))
-        write_jsonl(final, rows)
+        write_jsonl(final, [row.model_dump() for row in rows])
         (out.path / PARTIAL).unlink(missing_ok=True)
         write_json(out.path / "summary.json", summarize(rows, ran, time.monotonic() - started, loaded, endpoint))
         out.finish(content=final, rows=len(rows))
@@ -123,23 +133,23 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
                                                         "timed_out", "errors")})
 
 
-def summarize(rows: list[dict[str, Any]], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef
+def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef
               ) -> dict[str, Any]:
-    return {"rows": len(rows), "items": len(loaded.items), "samples": len({r["sample"] for r in rows}),
+    return {"rows": len(rows), "items": len(loaded.items), "samples": len({r.sample for r in rows}),
             "benchmark": loaded.spec.name, "benchmark_hash": loaded.content_hash, "model": endpoint.model,
-            "timed_out": sum(r["timed_out"] for r in rows), "errors": sum(r["error"] is not None for r in rows),
+            "timed_out": sum(r.timed_out for r in rows), "errors": sum(r.error is not None for r in rows),
             "ran_this_time": ran, "wall_s": round(wall_s, 3),
             "samples_per_s": round(ran / wall_s, 4) if wall_s > 0 else None,
-            "mean_total_s": round(sum(r["timing"]["total_s"] for r in rows) / max(len(rows), 1), 3)}
+            "mean_total_s": round(sum(r.timing["total_s"] for r in rows) / max(len(rows), 1), 3)}
 
 
 async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: ModelRef, endpoint: EndpointRef,
-                     data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[dict[str, Any]], int]:
+                     data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[PredictionRow], int]:
     from stages.agent.prompts import build_messages
-    from stages.agent.toolbox import ToolBox
+    from stages.agent.toolbox import ToolBox, corpus_path
     from stages.eval.serving import async_client
 
-    done = read_partial(folder / PARTIAL)
+    done = {key: PredictionRow.model_validate(row) for key, row in read_partial(folder / PARTIAL).items()}
     todo = [(item, s) for item in loaded.items for s in range(cfg.samples) if (item.id, s) not in done]
     name = loaded.spec.name
     log.info("%s: %d samples to run, %d already done (%s)", name, len(todo), len(done), folder)
@@ -156,7 +166,7 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
         gate = asyncio.Semaphore(cfg.concurrency)
         template = benchmark_template(cfg, agent, name)
 
-        async def one(item: Any, sample: int) -> dict[str, Any] | None:
+        async def one(item: Any, sample: int) -> PredictionRow | None:
             async with gate:
                 prompt = tokenizer.apply_chat_template(build_messages(item.question, template),
                                                        tokenize=False, add_generation_prompt=True)
@@ -170,8 +180,8 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
                 for next_row in asyncio.as_completed([one(item, s) for item, s in todo]):
                     row = await next_row
                     if row is not None:
-                        append_row(handle, row)
-                        done[(row["id"], row["sample"])] = row
+                        append_row(handle, row.model_dump())
+                        done[(row.id, row.sample)] = row
                     bar.advance()
         finally:
             await close_quietly(box, client)
@@ -180,7 +190,7 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
                                   f"{endpoint.url} (first: {failures[0]}); the {len(done)} finished samples are "
                                   "saved; rerun to complete only the missing ones")
     order = {item.id: i for i, item in enumerate(loaded.items)}
-    return sorted(done.values(), key=lambda r: (order[r["id"]], r["sample"])), len(todo)
+    return sorted(done.values(), key=lambda r: (order[r.id], r.sample)), len(todo)
 
 
 def loop_settings(cfg: EvalSection, endpoint: EndpointRef) -> LoopSettings:
@@ -190,7 +200,7 @@ def loop_settings(cfg: EvalSection, endpoint: EndpointRef) -> LoopSettings:
 
 
 async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, prompt: str, box: Any, item: Any,
-                       sample: int, benchmark: str, benchmark_hash: str, failures: list[str]) -> dict[str, Any] | None:
+                       sample: int, benchmark: str, benchmark_hash: str, failures: list[str]) -> PredictionRow | None:
     """One sample as a predictions row; None (and a note in `failures`) when the server could not be reached."""
     import openai
 
@@ -212,13 +222,12 @@ async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, pr
         else:
             error, state.finish_reason = f"{type(err).__name__}: {err.message}", "error"
     timing = {k: round(v, 4) for k, v in state.timing.items()} | {"total_s": round(time.monotonic() - start, 4)}
-    return {"id": item.id, "benchmark": benchmark, "sample": sample, "question": item.question,
-            "golds": list(item.golds), "task_type": item.task_type, "prediction": extract_answer(state.output),
-            "output": state.output, "finish_reason": state.finish_reason,
-            "tool_calls": {k: v for k, v in count_tool_calls(state.output).items()},
-            "timing": timing, "timed_out": timed_out, "error": error, "model": settings.model,
-            "benchmark_hash": benchmark_hash, "completion_tokens": state.completion_tokens,
-            "llm_calls": state.llm_calls, "meta": dict(item.meta)}
+    return PredictionRow(id=item.id, benchmark=benchmark, sample=sample, question=item.question,
+                         golds=list(item.golds), task_type=item.task_type, prediction=extract_answer(state.output),
+                         output=state.output, finish_reason=state.finish_reason,
+                         tool_calls=count_tool_calls(state.output), timing=timing, timed_out=timed_out, error=error,
+                         model=settings.model, benchmark_hash=benchmark_hash,
+                         completion_tokens=state.completion_tokens, llm_calls=state.llm_calls, meta=dict(item.meta))
 
 
 def load_tokenizer(model: ModelRef) -> Any:

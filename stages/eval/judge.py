@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import re
-import sqlite3
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from stages.core.config.eval import JudgeSection
 from stages.core.log import get_logger, progress
 from stages.core.refs import EndpointRef
+from stages.core.store import SQLiteStore, store_key
 
 log = get_logger(__name__)
 
@@ -56,11 +54,6 @@ def reply_says_correct(reply: str) -> bool:
     return "correct" in text and not any(word in text for word in NEGATIONS)
 
 
-def judge_identity(endpoint: EndpointRef) -> str:
-    """What the judge *is* (served name + weights fingerprint), never where it runs (URL/port)."""
-    return f"{endpoint.model}@{endpoint.model_fingerprint}" if endpoint.model_fingerprint else endpoint.model
-
-
 @dataclass(frozen=True)
 class JudgeRequest:
     question: str
@@ -76,43 +69,22 @@ class Verdict:
     error: str | None = None
 
 
-class VerdictCache:
-    """SQLite verdict store; safe across threads and processes (WAL, one short transaction per write)."""
+class VerdictCache(SQLiteStore):
+    """Verdicts in the one SQLite store (stages/core/store.py): safe across threads and processes."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, judge TEXT, reply TEXT, "
-                           "correct INTEGER, created REAL)")
-        self._conn.commit()
+        super().__init__(path, "judge_verdicts")
 
     @staticmethod
     def key(request: JudgeRequest, identity: str, prompt_hash: str = PROMPT_HASH) -> str:
-        payload = json.dumps([request.question, list(request.golds), request.prediction, identity, prompt_hash],
-                             ensure_ascii=False)
-        return hashlib.sha256(payload.encode()).hexdigest()
+        return store_key(request.question, list(request.golds), request.prediction, identity, prompt_hash)
 
-    def get(self, key: str) -> tuple[str, bool] | None:
-        with self._lock:
-            row = self._conn.execute("SELECT reply, correct FROM verdicts WHERE key = ?", (key,)).fetchone()
-        return None if row is None else (row[0], bool(row[1]))
+    def verdict(self, key: str) -> tuple[str, bool] | None:
+        hit = self.get(key)
+        return None if hit is None else (hit["reply"], bool(hit["correct"]))
 
-    def put(self, key: str, identity: str, reply: str, correct: bool) -> None:
-        with self._lock:
-            self._conn.execute("INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?)",
-                               (key, identity, reply, int(correct), time.time()))
-            self._conn.commit()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return self._conn.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0]
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+    def record(self, key: str, identity: str, reply: str, correct: bool) -> None:
+        self.put(key, {"reply": reply, "correct": correct}, note=identity)
 
 
 class Judge:
@@ -121,7 +93,7 @@ class Judge:
     def __init__(self, endpoint: EndpointRef, cfg: JudgeSection, cache_path: str | Path) -> None:
         self.endpoint = endpoint
         self.cfg = cfg
-        self.identity = judge_identity(endpoint)
+        self.identity = endpoint.identity
         self.cache = VerdictCache(cache_path)
         self.calls = 0  # requests actually sent (retries included)
 
@@ -158,18 +130,18 @@ class Judge:
 
     async def _judge_one(self, client, request: JudgeRequest) -> Verdict:
         key = VerdictCache.key(request, self.identity)
-        hit = self.cache.get(key)
+        hit = self.cache.verdict(key)
         if hit is not None:
             return Verdict(says_correct=hit[1], reply=hit[0], cached=True)
         try:
             reply = await self._ask(client, format_prompt(request.question, request.golds, request.prediction))
-        except Exception as err:  # after retries: the rule decides, nothing is cached
+        except Exception as err:  # noqa: BLE001 - after retries: the rule decides, nothing is cached
             message = f"{type(err).__name__}: {err}"
             log.warning("judge call failed after %d attempts (%s); using the rule verdict", self.cfg.max_retries,
                         message[:200])
             return Verdict(says_correct=None, reply="", cached=False, error=message)
         correct = reply_says_correct(reply)
-        self.cache.put(key, self.identity, reply, correct)
+        self.cache.record(key, self.identity, reply, correct)
         return Verdict(says_correct=correct, reply=reply, cached=False)
 
     async def _ask(self, client, prompt: str) -> str:

@@ -137,13 +137,17 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
     return "\n".join(lines)
 
 
+def report_key(cfg: EvalSection, scores: list[ScoresRef]) -> str:
+    """The stage's one key (its folder name and its Prefect cache key)."""
+    return hash_value({"reference_setting": cfg.reference_setting, "confidence": cfg.confidence},
+                      [s.fingerprint for s in scores], hash_path(REFERENCE_FILE), code_version("stages.eval"))
+
+
 def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | Path, force: bool = False) -> Ref:
     """CSV + markdown over the given scores; returns a Ref to the folder, rows in `meta["rows"]`."""
     if not scores:
         raise ValueError("build_report needs at least one ScoresRef; score a benchmark first")
-    key = hash_value({"reference_setting": cfg.reference_setting, "confidence": cfg.confidence},
-                     [s.fingerprint for s in scores], hash_path(REFERENCE_FILE), code_version("stages.eval"))
-    out = stage_dir(output_root, STAGE, key, force=force)
+    out = stage_dir(output_root, STAGE, report_key(cfg, scores), force=force)
     reference = load_reference_numbers()
     rows = report_rows([s.meta for s in scores], reference, cfg.reference_setting)
     if not out.complete:

@@ -47,17 +47,14 @@ def finished_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, mo
     """The fingerprint of the benchmark's complete predictions for this endpoint identity, or None."""
     import json
 
-    from stages.eval.benchmarks import load_benchmark
-    from stages.eval.inference import STAGE, inference_key
+    from stages.eval.inference import STAGE, infer_key
 
-    synthetic = data.files.get("eval_test") if benchmark == "synthetic" else None
     try:
-        loaded = load_benchmark(benchmark, cfg.data_root, cap=cfg.max_questions, synthetic_path=synthetic)
+        key = infer_key(cfg, agent, benchmark, model, endpoint, data)
     except (OSError, ValueError) as err:  # the inference task reports it properly
         log.info("%s: cannot tell whether inference is cached (%s); serving", benchmark, err)
         return None
-    marker = _marker(output_root, STAGE, inference_key(cfg, agent, benchmark, loaded.content_hash, model, endpoint,
-                                                       data))
+    marker = _marker(output_root, STAGE, key)
     return json.loads(marker.read_text())["fingerprint"] if marker.is_file() else None
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from stages.core.atomic import read_jsonl, write_json, write_jsonl
 from stages.core.config.eval import EvalSection
@@ -23,7 +24,7 @@ from stages.core.log import get_logger
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import stage_dir
 from stages.eval.benchmarks import headline_metric
-from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict, judge_identity
+from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict
 from stages.eval.metrics import (
     MathVerifier,
     effective_prediction,
@@ -32,11 +33,11 @@ from stages.eval.metrics import (
     tool_productivity,
 )
 from stages.eval.passk import summarize
+from stages.eval.rows import PredictionRow, ScoredSample
 
 log = get_logger(__name__)
 
 STAGE = "eval-score"
-REQUIRED = ("id", "sample", "question", "golds", "task_type", "prediction", "output")
 PREDICTIONS_FILE = "predictions.jsonl"
 
 
@@ -50,7 +51,7 @@ def scoring_key(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRef | No
     settings = {"judge": cfg.judge.model_dump(include={"enabled", "temperature", "max_tokens"}) if judged else None,
                 "pass_k": sorted(set(cfg.pass_k)), "bootstrap": [cfg.bootstrap_samples, cfg.bootstrap_seed,
                                                                  cfg.confidence]}
-    return hash_value(settings, preds.fingerprint, judge_identity(judge) if judged else None, PROMPT_HASH,
+    return hash_value(settings, preds.fingerprint, judge.identity if judged else None, PROMPT_HASH,
                       code_version("stages.eval", "stages.agent"))
 
 
@@ -66,8 +67,8 @@ def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRe
         samples = score_samples(cfg, rows, judge if judged else None, Path(cache_root),
                                 headline_metric(preds.benchmark))
         summary = summarize_benchmark(cfg, samples, judged, headline_metric(preds.benchmark))
-        summary |= {"judge": judge_identity(judge) if judged else None, "predictions": str(predictions_file(preds))}
-        write_jsonl(out.path / "samples.jsonl", samples)
+        summary |= {"judge": judge.identity if judged else None, "predictions": str(predictions_file(preds))}
+        write_jsonl(out.path / "samples.jsonl", [sample.model_dump() for sample in samples])
         write_json(out.path / "summary.json", summary)
         out.finish()
         log.info("%s: accuracy %.3f over %d questions x %d samples", summary["benchmark"],
@@ -82,69 +83,62 @@ def _read_summary(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "summary.json").read_text(encoding="utf-8"))
 
 
-def load_predictions(path: Path) -> list[dict[str, Any]]:
+def load_predictions(path: Path) -> list[PredictionRow]:
     if not path.is_file():
         raise FileNotFoundError(f"predictions file {path} does not exist; run the inference stage first")
-    rows = read_jsonl(path)
+    rows = []
+    for number, raw in enumerate(read_jsonl(path), start=1):
+        try:
+            rows.append(PredictionRow.model_validate(raw))
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}" for e in err.errors())
+            raise ValueError(f"{path} row {number}: {problems}; the predictions file must be written by "
+                             f"stages.eval inference (fields of stages.eval.rows.PredictionRow)") from None
     if not rows:
         raise ValueError(f"predictions file {path} is empty; rerun inference (it resumes missing samples)")
-    for number, row in enumerate(rows, start=1):
-        missing = [key for key in REQUIRED if key not in row]
-        if missing:
-            raise ValueError(f"{path} row {number}: missing fields {missing}; the predictions file must be written "
-                             f"by stages.eval inference (fields {list(REQUIRED)})")
-        if row["task_type"] not in ("math", "qa"):
-            raise ValueError(f"{path} row {number}: task_type must be 'math' or 'qa', got {row['task_type']!r}")
-        if not row["golds"]:
-            raise ValueError(f"{path} row {number}: empty 'golds' list for item {row['id']!r}")
-    keys = [(row["id"], row["sample"]) for row in rows]
+    keys = [(row.id, row.sample) for row in rows]
     if len(set(keys)) != len(keys):
         raise ValueError(f"{path}: duplicate (id, sample) rows; delete the duplicates or rerun inference with force")
     return rows
 
 
-def score_samples(cfg: EvalSection, rows: list[dict[str, Any]], judge: EndpointRef | None,
-                  cache_root: Path, headline: str = "llm_equal") -> list[dict[str, Any]]:
+def score_samples(cfg: EvalSection, rows: list[PredictionRow], judge: EndpointRef | None,
+                  cache_root: Path, headline: str = "llm_equal") -> list[ScoredSample]:
     """One scored row per prediction row: rule metrics, math_equal, judge verdict, score (the benchmark's
     `headline` metric) / correct, tool calls."""
     scored = []
     for row in rows:
-        text, fallback = effective_prediction(row.get("prediction"), row.get("output"))
-        golds = [str(g) for g in row["golds"]]
-        calls = row.get("tool_calls") or {}
-        scored.append({"id": row["id"], "sample": int(row["sample"]), "task_type": row["task_type"],
-                       "golds": golds, "scored_text": text, "fallback_prediction": fallback,
-                       "has_prediction": not fallback, **qa_metrics(text, golds), "math_equal": 0.0,
-                       "python_calls": int(calls.get("python", 0)), "search_calls": int(calls.get("search", 0)),
-                       "timed_out": bool(row.get("timed_out", False)), "error": row.get("error"),
-                       "total_s": float((row.get("timing") or {}).get("total_s", 0.0)),
-                       "benchmark": row.get("benchmark", ""), "model": row.get("model", ""),
-                       "benchmark_hash": row.get("benchmark_hash", "")})
-    math_rows = [s for s in scored if s["task_type"] == "math" and s["scored_text"]]
+        text, fallback = effective_prediction(row.prediction, row.output)
+        scored.append(ScoredSample(
+            id=row.id, sample=row.sample, task_type=row.task_type, golds=list(row.golds), scored_text=text,
+            fallback_prediction=fallback, has_prediction=not fallback, **qa_metrics(text, row.golds),
+            python_calls=row.tool_calls.get("python", 0), search_calls=row.tool_calls.get("search", 0),
+            timed_out=row.timed_out, error=row.error, total_s=row.timing.get("total_s", 0.0),
+            benchmark=row.benchmark, model=row.model, benchmark_hash=row.benchmark_hash))
+    math_rows = [s for s in scored if s.task_type == "math" and s.scored_text]
     if math_rows:
         workers = min(cfg.math_workers, free_cpu_threads(), len(math_rows))  # spare cores only
         with MathVerifier(workers=workers) as verifier:
-            results = verifier.check([(s["scored_text"], s["golds"]) for s in math_rows])
+            results = verifier.check([(s.scored_text, s.golds) for s in math_rows])
         for sample, result in zip(math_rows, results):
-            sample["math_equal"] = float(result.equal)
-            if result.error:
-                sample["math_error"] = result.error
+            sample.math_equal, sample.math_error = float(result.equal), result.error
     for sample in scored:
-        sample["rule_equiv"] = sample["math_equal"] if sample["task_type"] == "math" else sample["em"]
+        sample.rule_equiv = sample.math_equal if sample.task_type == "math" else sample.em
     if judge is not None:
         _apply_judge(cfg, rows, scored, judge, cache_root)
     for sample in scored:
-        sample["score"], sample["correct"] = sample_score(sample["task_type"], sample, judge is not None, headline)
+        sample.score, sample.correct = sample_score(sample.task_type, sample.model_dump(), judge is not None,
+                                                    headline)
     return scored
 
 
-def _apply_judge(cfg: EvalSection, rows: list[dict[str, Any]], scored: list[dict[str, Any]], judge: EndpointRef,
+def _apply_judge(cfg: EvalSection, rows: list[PredictionRow], scored: list[ScoredSample], judge: EndpointRef,
                  cache_root: Path) -> None:
     client = Judge(judge, cfg.judge, cache_root / "judge_cache.sqlite")
-    asked = [i for i, s in enumerate(scored) if s["scored_text"]]  # nothing to judge in an empty output
+    asked = [i for i, s in enumerate(scored) if s.scored_text]  # nothing to judge in an empty output
     try:
-        answers = client.judge_many([JudgeRequest(str(rows[i]["question"]), tuple(scored[i]["golds"]),
-                                                  scored[i]["scored_text"]) for i in asked])
+        answers = client.judge_many([JudgeRequest(rows[i].question, tuple(scored[i].golds), scored[i].scored_text)
+                                     for i in asked])
     finally:
         client.cache.close()
     verdicts = [Verdict(says_correct=False, reply="", cached=False)] * len(scored)
@@ -153,79 +147,78 @@ def _apply_judge(cfg: EvalSection, rows: list[dict[str, Any]], scored: list[dict
     log.info("judge %s: %d verdicts, %d from cache, %d calls sent", client.identity, len(answers),
              sum(v.cached for v in answers), client.calls)
     for sample, verdict in zip(scored, verdicts):
-        says = verdict.says_correct
-        sample |= {"judge_says_correct": says, "judge_reply": verdict.reply, "judge_cached": verdict.cached,
-                   "judge_error": verdict.error,
-                   # the reference: correct iff rule-equivalent OR the judge says so (rule alone when it failed)
-                   "llm_equal": float(bool(sample["rule_equiv"]) or bool(says))}
+        sample.judge_says_correct, sample.judge_reply = verdict.says_correct, verdict.reply
+        sample.judge_cached, sample.judge_error = verdict.cached, verdict.error
+        # the reference: correct iff rule-equivalent OR the judge says so (rule alone when it failed)
+        sample.llm_equal = float(bool(sample.rule_equiv) or bool(verdict.says_correct))
 
 
-def summarize_benchmark(cfg: EvalSection, samples: list[dict[str, Any]], judged: bool,
+def summarize_benchmark(cfg: EvalSection, samples: list[ScoredSample], judged: bool,
                         headline: str = "llm_equal") -> dict[str, Any]:
-    by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_id: dict[str, list[ScoredSample]] = defaultdict(list)
     for sample in samples:
-        by_id[sample["id"]].append(sample)
+        by_id[sample.id].append(sample)
     counts = {len(group) for group in by_id.values()}
     if len(counts) != 1:
         short = sorted((len(g), i) for i, g in by_id.items())[:3]
         raise ValueError(f"questions have different sample counts {sorted(counts)} (fewest: {short}); "
                          f"rerun inference to complete the missing samples")
     n = counts.pop()
-    groups = [sorted(group, key=lambda s: s["sample"]) for group in by_id.values()]
-    score_QN = np.array([[s["score"] for s in group] for group in groups])
-    correct_QN = np.array([[s["correct"] for s in group] for group in groups])
+    groups = [sorted(group, key=lambda s: s.sample) for group in by_id.values()]
+    score_QN = np.array([[s.score for s in group] for group in groups])
+    correct_QN = np.array([[s.correct for s in group] for group in groups])
     skipped_k = [k for k in cfg.pass_k if k > n]
     if skipped_k:
         log.warning("pass@%s left out: only %d samples per question (raise eval.samples)", skipped_k, n)
     metrics = summarize(score_QN, correct_QN, list(cfg.pass_k), samples=cfg.bootstrap_samples,
                         confidence=cfg.confidence, seed=cfg.bootstrap_seed)
-    return {"benchmark": samples[0]["benchmark"], "model": samples[0]["model"],
-            "benchmark_hash": samples[0]["benchmark_hash"], "task_type": _task_type(samples),
+    return {"benchmark": samples[0].benchmark, "model": samples[0].model,
+            "benchmark_hash": samples[0].benchmark_hash, "task_type": _task_type(samples),
             "questions": len(groups), "samples_per_question": n, "judged": judged, "headline": headline,
             "accuracy_metric": _accuracy_metric(samples, judged, headline),
             "correct_metric": _correct_metric(samples, judged), "metrics": metrics,
             "confidence": cfg.confidence, **_means(samples, judged, metrics["accuracy"]["value"])}
 
 
-def _means(samples: list[dict[str, Any]], judged: bool, accuracy: float) -> dict[str, Any]:
+def _means(samples: list[ScoredSample], judged: bool, accuracy: float) -> dict[str, Any]:
     def mean(key: str) -> float:
-        return float(np.mean([float(s[key]) for s in samples]))
+        return float(np.mean([float(getattr(s, key)) for s in samples]))
 
-    calls = [s["python_calls"] + s["search_calls"] for s in samples]
+    calls = [s.python_calls + s.search_calls for s in samples]
     tool_calls = float(np.mean(calls))
     out = {"em": mean("em"), "f1": mean("f1"), "acc": mean("acc"), "math_equal": mean("math_equal"),
-           "num_valid_answer": int(sum(s["has_prediction"] for s in samples)),
+           "num_valid_answer": int(sum(s.has_prediction for s in samples)),
            "tool_calls": tool_calls, "python_calls": mean("python_calls"), "search_calls": mean("search_calls"),
            "tool_use_rate": float(np.mean([c > 0 for c in calls])),
            "tool_productivity": tool_productivity(accuracy, tool_calls),
-           "timed_out": int(sum(s["timed_out"] for s in samples)),
-           "errors": int(sum(bool(s["error"]) for s in samples)), "mean_total_s": mean("total_s")}
+           "timed_out": int(sum(s.timed_out for s in samples)),
+           "errors": int(sum(bool(s.error) for s in samples)), "mean_total_s": mean("total_s")}
     if judged:
-        raw = [s for s in samples if s["judge_says_correct"] is not None]
+        raw = [s for s in samples if s.judge_says_correct is not None]
         out |= {"llm_equal": mean("llm_equal"), "judge_failures": len(samples) - len(raw),
-                "judge_rule_agreement": float(np.mean([bool(s["judge_says_correct"]) == bool(s["rule_equiv"])
+                "judge_rule_agreement": float(np.mean([bool(s.judge_says_correct) == bool(s.rule_equiv)
                                                        for s in raw])) if raw else None,
-                "judge_only_correct": int(sum(bool(s["judge_says_correct"]) and not s["rule_equiv"] for s in raw)),
-                "rule_only_correct": int(sum(bool(s["rule_equiv"]) and not s["judge_says_correct"] for s in raw))}
+                "judge_only_correct": int(sum(bool(s.judge_says_correct) and not s.rule_equiv for s in raw)),
+                "rule_only_correct": int(sum(bool(s.rule_equiv) and not s.judge_says_correct for s in raw))}
     return out
 
 
-def _task_type(samples: list[dict[str, Any]]) -> str:
-    kinds = sorted({s["task_type"] for s in samples})
+def _task_type(samples: list[ScoredSample]) -> str:
+    kinds = sorted({s.task_type for s in samples})
     return kinds[0] if len(kinds) == 1 else "mixed"
 
 
-def _accuracy_metric(samples: list[dict[str, Any]], judged: bool, headline: str) -> str:
+def _accuracy_metric(samples: list[ScoredSample], judged: bool, headline: str) -> str:
     """What `accuracy` measured: the headline, or (llm_equal without a judge) the rule it fell back to."""
     if headline == "f1" or judged:
         return headline
-    kinds = {s["task_type"] for s in samples}
+    kinds = {s.task_type for s in samples}
     return {frozenset({"math"}): "math_equal", frozenset({"qa"}): "f1"}.get(frozenset(kinds), "math_equal|f1")
 
 
-def _correct_metric(samples: list[dict[str, Any]], judged: bool) -> str:
+def _correct_metric(samples: list[ScoredSample], judged: bool) -> str:
     """The binary verdict pass@k counts."""
     if judged:
         return "llm_equal"
-    kinds = {s["task_type"] for s in samples}
+    kinds = {s.task_type for s in samples}
     return {frozenset({"math"}): "math_equal", frozenset({"qa"}): "em"}.get(frozenset(kinds), "math_equal|em")

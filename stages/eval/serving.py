@@ -5,7 +5,8 @@ Backends (ServeSection.backend):
   command line and environment from `stages.eval.vllm_cmd`);
 - `external`: an existing server at `serve.url` with the key in the env var `serve.api_key_env`.
 Servers run supervised in their own process group with output captured to `<log_dir>/<name>.log`
-(stages.eval.procs). Teardown is guaranteed three ways: `stop_server` / the `serving` context manager,
+(stages.core.procs, the one process manager). Teardown is guaranteed three ways: `stop_server` / the `serving`
+context manager,
 an atexit hook for servers this process started, and the supervisor, which kills the group when this
 process dies without either.
 """
@@ -18,8 +19,6 @@ import os
 import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,9 +29,9 @@ from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
 from stages.core.fingerprint import hash_file, hash_value
 from stages.core.log import get_logger
+from stages.core.procs import NotReady, free_port, healthy, kill_group, launch, wait_ready
 from stages.core.refs import EndpointRef, ModelRef
 from stages.core.registry import Registry
-from stages.eval.procs import free_port, kill_group, launch, log_tail
 from stages.eval.vllm_cmd import ServeError, resolve_vllm, vllm_command, vllm_env
 
 log = get_logger(__name__)
@@ -84,34 +83,6 @@ def _log_path(log_dir: Path, backend: str, name: str) -> Path:
     return log_dir / f"{backend}-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}.log"
 
 
-def _fail(proc: subprocess.Popen, log_file: Path, why: str) -> ServeError:
-    kill_group(proc.pid, 2.0, _LIVE.pop(proc.pid, proc))
-    return ServeError(f"{why}. Server log {log_file}, last lines:\n{log_tail(log_file)}")
-
-
-def _wait(proc: subprocess.Popen, log_file: Path, deadline: float, ready: Callable[[], Any], what: str) -> Any:
-    """Poll `ready()` until it returns a value; fail fast when the process exits or the deadline passes."""
-    while True:
-        value = ready()
-        if value is not None:
-            return value
-        if proc.poll() is not None:
-            raise _fail(proc, log_file, f"the server exited with code {proc.returncode} before {what}")
-        if time.monotonic() > deadline:
-            raise _fail(proc, log_file, f"the server did not get {what} in time; raise serve.startup_timeout_s "
-                                        "if it is just slow")
-        time.sleep(0.2)
-
-
-def http_ok(url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 def _endpoint(cfg: ServeSection, model: ModelRef, name: str, port: int, proc: subprocess.Popen,
               log_file: Path, extras: bool) -> EndpointRef:
     return EndpointRef(url=f"http://{cfg.host}:{port}/v1", model=name, model_fingerprint=model.fingerprint,
@@ -129,8 +100,11 @@ def start_vllm(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef
     proc = launch(vllm_command(resolved, model.path, name, port), log_file, env=vllm_env(resolved))
     _LIVE[proc.pid] = proc
     started = time.monotonic()
-    _wait(proc, log_file, started + cfg.startup_timeout_s,
-          lambda: http_ok(f"http://{cfg.host}:{port}/health") or None, "healthy")
+    try:
+        wait_ready(proc, log_file, cfg.startup_timeout_s, lambda: healthy(f"http://{cfg.host}:{port}/health"),
+                   "healthy", on_fail=lambda: kill_group(proc.pid, 2.0, _LIVE.pop(proc.pid, proc)))
+    except NotReady as err:
+        raise ServeError(f"the vllm server {err} (raise serve.startup_timeout_s if it is just slow)") from None
     took = time.monotonic() - started
     log.info("vllm server for %s up at http://%s:%d/v1 in %.0f s (log %s)", name, cfg.host, port, took, log_file)
     endpoint = _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
@@ -150,7 +124,7 @@ def start_external(cfg: ServeSection, model: ModelRef, log_dir: Path) -> Endpoin
             raise ServeError(f"serve.api_key_env={cfg.api_key_env!r} but that environment variable is not set; "
                              f"export {cfg.api_key_env}=<key> or set serve.api_key_env=null for a keyless server")
     url = cfg.url.rstrip("/")
-    if not http_ok(f"{url}/models", key, timeout=10.0):
+    if not healthy(f"{url}/models", key, timeout=10.0):
         raise ServeError(f"the external server at {url} does not answer GET {url}/models; check serve.url "
                          "(it must end in /v1) and that the server is running")
     return EndpointRef(url=url, model=served_name(cfg, model), api_key_env=cfg.api_key_env,

@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -45,11 +49,25 @@ def verl_engine(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
     return run_rl_verl(cfg, agent, policy, data, stage, cache_root, seed, dtype)
 
 
-def engine_version(engine: str) -> str:
-    """What the cache key records about the engine: verl's installed version (empty for local / absent)."""
+def engine_version(engine: str, python: str | None = None) -> str:
+    """What the cache key records about the engine: verl's version installed in the interpreter `python` (None =
+    this one), empty for local / absent. The flow process asks the stage's interpreter, so its cache key and the
+    stage folder's agree."""
     if engine != "verl":
         return ""
+    if python and os.path.abspath(python) != os.path.abspath(sys.executable):
+        return _version_in(os.path.abspath(python), "verl")
     try:
         return version("verl")
     except PackageNotFoundError:
         return ""
+
+
+@functools.lru_cache(maxsize=8)
+def _version_in(python: str, dist: str) -> str:
+    code = (f"import importlib.metadata as m\ntry: print(m.version({dist!r}))\n"
+            "except m.PackageNotFoundError: print('')")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"cannot ask {python} for its {dist} version: {done.stderr.strip()[-500:]}")
+    return done.stdout.strip()

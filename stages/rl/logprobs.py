@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.rl.types import Trajectory
+from stages.generation.types import Trajectory
 
 
 @dataclass

@@ -28,13 +28,8 @@ from stages.core.fingerprint import code_version, hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, ModelRef
 from stages.core.workspace import stage_dir
-from stages.rl.modeling import (
-    DTYPES,
-    load_policy,
-    load_tokenizer,
-    pick_device,
-    policy_folder,
-)
+from stages.generation.models import load_policy, load_tokenizer, policy_folder
+from stages.rl.modeling import DTYPES, pick_device
 from stages.rl.probe import max_abs_diff, probe_logprobs, probe_sequences, read_probe
 
 log = get_logger(__name__)
@@ -44,10 +39,14 @@ class MergeParityError(RuntimeError):
     """The merged model's log-probs differ from the trained model's beyond the allowed tolerance."""
 
 
+def merge_key(cfg: MergeSection, ckpt: CheckpointRef) -> str:
+    """The stage's one key (its folder name and its Prefect cache key)."""
+    return hash_value(cfg, ckpt.fingerprint, code_version("stages.rl", "stages.generation.models"))
+
+
 def merge_checkpoint(cfg: MergeSection, ckpt: CheckpointRef, output_root: str | Path,
                      force: bool = False) -> ModelRef:
-    key = hash_value(cfg, ckpt.fingerprint, code_version("stages.rl"))
-    out = stage_dir(output_root, "merge", key, force=force)
+    out = stage_dir(output_root, "merge", merge_key(cfg, ckpt), force=force)
     model_dir = out.path / "model"
     if not out.complete:
         report = merge_to_folder(cfg, ckpt, model_dir)

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from stages.agent.rewards import Reward
 from stages.core.atomic import read_jsonl, write_jsonl
 from stages.core.log import get_logger
-from stages.rl.rewards import Reward
-from stages.rl.types import RolloutBatch
+from stages.generation.types import RolloutBatch
 
 log = get_logger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from stages.core.atomic import write_json
+from stages.generation.types import Trajectory
 from stages.rl.logprobs import collate, policy_forward
-from stages.rl.types import Trajectory
 
 PROBE_FILE = "probe.json"
 PROBE_TEXTS = (

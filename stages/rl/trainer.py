@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.agent.rewards import compute_rewards
 from stages.core import reporter
 from stages.core.atomic import read_jsonl
 from stages.core.config.agent import AgentSection
@@ -32,6 +33,9 @@ from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.workspace import stage_dir
 from stages.data import RLRow, read_rl_parquet
+from stages.generation.models import load_policy, load_tokenizer
+from stages.generation.session import RolloutSession
+from stages.generation.types import RolloutBatch
 from stages.rl import checkpoint as ckpt
 from stages.rl.alarms import AlarmWatch
 from stages.rl.metrics import (
@@ -46,15 +50,11 @@ from stages.rl.modeling import (
     compute_dtype,
     configure_for_training,
     device_memory_gb,
-    load_policy,
-    load_tokenizer,
     parameters_billion,
     pick_device,
 )
 from stages.rl.probe import write_probe
-from stages.rl.rewards import compute_rewards
-from stages.rl.session import RolloutSession
-from stages.rl.types import RolloutBatch
+from stages.rl.rollout import RolloutEngine
 from stages.rl.update import build_step_tensors, ppo_update
 
 log = get_logger(__name__)
@@ -73,12 +73,10 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     ablation = aepo_components_off(cfg)
     if ablation:
         log.warning("rl.algorithm=aepo with %s switched off: an AEPO ablation", ", ".join(ablation))
-    from stages.rl.engines import RL_ENGINES, engine_version
+    from stages.rl.engines import RL_ENGINES
 
     engine = RL_ENGINES.get(cfg.engine)
-    key = hash_value(training_identity(cfg), agent, policy.fingerprint, data.fingerprint, seed, dtype,
-                     code_version("stages.rl", "stages.agent"), engine_version(cfg.engine))
-    out = stage_dir(output_root, "rl", key, force=force)
+    out = stage_dir(output_root, "rl", rl_key(cfg, agent, policy, data, seed, dtype), force=force)
     if not out.complete:
         result = engine(cfg, agent, policy, data, out.path, Path(cache_root), seed, dtype)
         content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
@@ -91,6 +89,18 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
                          base=base_model(policy), step=int(marker["steps"]),
                          meta={"algorithm": cfg.algorithm, "engine": cfg.engine, **marker.get("meta", {}),
                                **({"aepo_off": ablation} if ablation else {})})
+
+
+def rl_key(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef, seed: int = 0,
+           dtype: str = "float32", python: str | None = None) -> str:
+    """The stage's one key (its folder name and its Prefect cache key): the training identity, the agent, the
+    inputs, the code of the runtime and of RL, and the engine's version in the interpreter the stage runs under
+    (`python`; None = this one)."""
+    from stages.rl.engines import engine_version
+
+    return hash_value(training_identity(cfg), agent, policy.fingerprint, data.fingerprint, seed, dtype,
+                      code_version("stages.rl", "stages.agent", "stages.generation"),
+                      engine_version(cfg.engine, python))
 
 
 def aepo_components_off(cfg: RLSection) -> list[str]:
@@ -229,8 +239,8 @@ class RLTrainer:
         history = reconcile_metrics(self.metrics_path, state.step, state.metrics if latest else None)
         self.watch = AlarmWatch(self.cfg.alarms, self.path / "alarms.jsonl", resumed_step=state.step)
         pad_id = self.tokenizer.pad_token_id
-        session = RolloutSession(self.cfg, self.agent, self.model, self.tokenizer, self.data, self.cache_root,
-                                 self.seed, self.toolbox)
+        session = RolloutSession(self.cfg.rollout, self.agent, self.model, self.tokenizer, self.data,
+                                 self.cache_root, self.seed, self.toolbox, engine=RolloutEngine)
         try:
             with reporter.track("rl", f"RL ({self.cfg.algorithm})", total=self.total_steps, done=state.step) as bar:
                 while state.step < self.total_steps:

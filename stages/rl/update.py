@@ -17,10 +17,10 @@ import torch
 
 from stages.core.config.rl import RLSection
 from stages.core.log import get_logger
+from stages.generation.types import RolloutBatch
 from stages.rl.advantages import compute_advantages, owner_matrix
 from stages.rl.logprobs import Collated, batched_forward, collate, policy_forward
 from stages.rl.losses import aggregation_weights, total_token_loss
-from stages.rl.types import RolloutBatch
 
 log = get_logger(__name__)
 

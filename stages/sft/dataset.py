@@ -12,7 +12,7 @@ from stages.core.config.sft import SFTSection
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef
 from stages.sft.formats import convert_file, write_lf_dataset
-from stages.sft.teacher import TeacherReport, build_trajectories, corpus_docs, toolbox_runner, train_tasks
+from stages.sft.teacher import TeacherReport, build_trajectories, corpus_docs, teacher_toolbox, train_tasks
 
 log = get_logger(__name__)
 
@@ -45,11 +45,8 @@ def teacher_report(tasks: list[dict[str, Any]], agent: AgentSection, data: Datas
                    limit: int, seed: int) -> TeacherReport:
     """Teacher trajectories for `tasks` with the real toolbox over the corpus RL and evaluation search."""
     corpus = agent.search.corpus_path or data.file("corpus")
-    run_tool, close = toolbox_runner(agent, corpus, cache_root)
-    try:
-        return build_trajectories(tasks, run_tool, corpus_docs(corpus), agent.prompt_template, limit, seed=seed)
-    finally:
-        close()
+    with teacher_toolbox(agent, corpus, cache_root) as tools:
+        return build_trajectories(tasks, tools, corpus_docs(corpus), agent.prompt_template, limit, seed=seed)
 
 
 def teacher_rows(cfg: SFTSection, agent: AgentSection, data: DatasetRef | None,

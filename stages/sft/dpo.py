@@ -1,7 +1,8 @@
 """Optional self-critic DPO after SFT (Tool-Star: LLaMA-Factory DPO, LoRA r 8, beta 0.1, sigmoid loss).
 
 Pairs: for each train question the SFT checkpoint samples `samples_per_question` tool trajectories with the
-RL rollout engine; the reward function (`reference` by default) marks each correct or not; a pair is (correct,
+agent runtime (stages.generation: the rollout loop RL runs, without branching); the reward function (`reference` by
+default) marks each correct or not; a pair is (correct,
 incorrect) for the same question. When no sample of a question is correct, the teacher trajectory of that
 question (real tools, gold answer) is the chosen side, so a small model that is rarely right still gets
 pairs; `chosen_fallback: none` turns this off. Output: the LoRA merged into a plain HF folder.
@@ -78,6 +79,18 @@ def ranking_row(path: Path, index: int, raw: Any) -> dict[str, Any]:
     return out
 
 
+def dpo_key(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None) -> str:
+    """The stage's one key (its folder name and its Prefect cache key). Disabled, it names the checkpoint handed
+    on unchanged."""
+    dpo = cfg.dpo
+    if not dpo.enabled:
+        return hash_value(dpo.enabled, checkpoint.fingerprint)
+    inputs = [hash_path(dpo.dataset_path)] if dpo.source == "file" else teacher_key_inputs(agent, data)
+    shared = {"template", "bf16", "deepspeed", "seed", "teacher_seed", "lr_scheduler_type", "warmup_ratio"}
+    return hash_value(dpo, cfg.model_dump(mode="json", include=shared), checkpoint.fingerprint, inputs,
+                      code_version("stages.sft", "stages.agent", "stages.generation"))
+
+
 def run_dpo(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None,
             output_root: str, cache_root: str, force: bool = False) -> CheckpointRef:
     """Self-critic DPO on top of the SFT checkpoint; returns it unchanged when sft.dpo.enabled is false."""
@@ -88,11 +101,7 @@ def run_dpo(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, dat
     template = checkpoint.meta.get("template") or (template_of(cfg, base) if base else cfg.template)
     if not template:
         raise ValueError("no LLaMA-Factory template for DPO: set sft.template")
-    inputs = [hash_path(dpo.dataset_path)] if dpo.source == "file" else teacher_key_inputs(agent, data)
-    shared = {"template", "bf16", "deepspeed", "seed", "teacher_seed", "lr_scheduler_type", "warmup_ratio"}
-    key = hash_value(dpo, cfg.model_dump(mode="json", include=shared),
-                     checkpoint.fingerprint, inputs, code_version("stages.sft", "stages.agent", "stages.rl"))
-    out = stage_dir(output_root, "dpo", key, force=force)
+    out = stage_dir(output_root, "dpo", dpo_key(cfg, agent, checkpoint, data), force=force)
     model_dir, trainer = out.path / "model", out.path / "trainer"
     if not out.complete:
         preflight(cfg)
@@ -141,15 +150,15 @@ def _pairs(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data
 
 def sampled_pairs(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None,
                   cache_root: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from stages.rl.rewards import compute_rewards
+    from stages.agent.rewards import compute_rewards
 
     dpo = cfg.dpo
     if data is None:
         raise ValueError("sft.dpo.source=sampled needs the data stage's DatasetRef (its 'tasks' and 'corpus')")
     tasks = train_tasks(data.file("tasks"))[: dpo.max_questions]
-    rl = sampling_section(dpo.samples_per_question, dpo.temperature, dpo.max_new_tokens, agent.limits.max_calls,
-                          backend=dpo.rollout_backend)
-    sampled = sample(checkpoint, tasks, agent, data, cache_root, rl, seed=cfg.seed)
+    rollout = sampling_section(dpo.samples_per_question, dpo.temperature, dpo.max_new_tokens,
+                               agent.limits.max_calls, backend=dpo.rollout_backend)
+    sampled = sample(checkpoint, tasks, agent, data, cache_root, rollout, seed=cfg.seed)
     correct = []
     for item in sampled:
         rewards = compute_rewards(dpo.reward, list(item.responses), [item.ground_truth] * len(item.responses),

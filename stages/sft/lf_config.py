@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stages.core.config.sft import DPOSection, SFTSection
+from stages.core.config.sft import DPOSection, SFTSection, TrainingSection
 from stages.core.env import PROJECT_ROOT
 
 DDP_TIMEOUT = 180000000  # the LLaMA-Factory examples' value: long preprocessing must not trip NCCL timeouts
@@ -22,8 +22,8 @@ def resolve_project_path(path: str) -> str:
     return str(candidate if candidate.is_absolute() else (PROJECT_ROOT / candidate).resolve())
 
 
-def _lora(rank: int, alpha: int, target: str) -> dict[str, Any]:
-    return {"lora_rank": rank, "lora_alpha": alpha, "lora_target": target}
+def _lora(training: TrainingSection) -> dict[str, Any]:
+    return {"lora_rank": training.lora_rank, "lora_alpha": training.lora_alpha, "lora_target": training.lora_target}
 
 
 def sft_train_args(cfg: SFTSection, *, model_path: str, template: str, dataset_dir: str, dataset: str,
@@ -42,7 +42,7 @@ def sft_train_args(cfg: SFTSection, *, model_path: str, template: str, dataset_d
         "finetuning_type": cfg.finetuning_type,
     }
     if cfg.finetuning_type == "lora":
-        args |= _lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_target)
+        args |= _lora(cfg)
     if cfg.deepspeed:
         args["deepspeed"] = resolve_project_path(cfg.deepspeed)
     args |= {
@@ -57,19 +57,18 @@ def sft_train_args(cfg: SFTSection, *, model_path: str, template: str, dataset_d
     if tokenized_path:
         args["tokenized_path"] = tokenized_path
     args |= _output_args(cfg.logging_steps, cfg.save_steps, cfg.save_total_limit, output_dir)
-    args |= _optim_args(cfg, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.learning_rate,
-                        cfg.num_train_epochs, cfg.max_steps, resume_from)
+    args |= _optim_args(cfg, cfg, resume_from)
     return args | dict(cfg.extra_args)
 
 
-def _optim_args(sft: SFTSection, batch: int, accumulation: int, learning_rate: float, epochs: float,
-                max_steps: int | None, resume_from: str | None) -> dict[str, Any]:
-    """Batch, schedule and precision; DPO takes its own batch/lr/epochs and SFT's schedule, precision and seed."""
+def _optim_args(sft: SFTSection, training: TrainingSection, resume_from: str | None) -> dict[str, Any]:
+    """Batch, schedule and precision: `training` (SFT's or DPO's) for batch/lr/epochs/steps, SFT's schedule,
+    precision and seed."""
     args: dict[str, Any] = {
-        "per_device_train_batch_size": batch,
-        "gradient_accumulation_steps": accumulation,
-        "learning_rate": learning_rate,
-        "num_train_epochs": epochs,
+        "per_device_train_batch_size": training.per_device_train_batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation_steps,
+        "learning_rate": training.learning_rate,
+        "num_train_epochs": training.num_train_epochs,
         "lr_scheduler_type": sft.lr_scheduler_type,
         "warmup_ratio": sft.warmup_ratio,
         "bf16": sft.bf16,
@@ -77,8 +76,8 @@ def _optim_args(sft: SFTSection, batch: int, accumulation: int, learning_rate: f
         "ddp_timeout": DDP_TIMEOUT,
         "seed": sft.seed,
     }
-    if max_steps is not None:
-        args["max_steps"] = max_steps
+    if training.max_steps is not None:
+        args["max_steps"] = training.max_steps
     if resume_from:
         args["resume_from_checkpoint"] = resume_from
     return args
@@ -106,7 +105,7 @@ def dpo_train_args(dpo: DPOSection, sft: SFTSection, *, model_path: str, templat
         "stage": "dpo",
         "do_train": True,
         "finetuning_type": "lora",
-        **_lora(dpo.lora_rank, dpo.lora_alpha, dpo.lora_target),
+        **_lora(dpo),
         "pref_beta": dpo.beta,
         "pref_loss": dpo.loss,
         "pref_ftx": dpo.ftx,
@@ -123,8 +122,7 @@ def dpo_train_args(dpo: DPOSection, sft: SFTSection, *, model_path: str, templat
         "dataloader_num_workers": sft.dataloader_num_workers,
     }
     args |= _output_args(sft.logging_steps, sft.save_steps, sft.save_total_limit, output_dir)
-    return args | _optim_args(sft, dpo.per_device_train_batch_size, dpo.gradient_accumulation_steps,
-                              dpo.learning_rate, dpo.num_train_epochs, dpo.max_steps, resume_from)
+    return args | _optim_args(sft, dpo, resume_from)
 
 
 def export_args(*, model_path: str, adapter_path: str, template: str, export_dir: str, bf16: bool,

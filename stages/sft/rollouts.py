@@ -1,6 +1,7 @@
-"""Tool-using trajectories sampled from a checkpoint with the RL rollout engine (stages.rl), for self-critic DPO
-pairs and the SFT format benchmark. GRPO strategy (no branching): n independent samples per question, real
-tools, results inserted with `render_result`, exactly the text RL trains on."""
+"""Tool-using trajectories sampled from a checkpoint with the agent runtime's token-level driver
+(stages.generation.engine.TIRRollout), for self-critic DPO pairs and the SFT format benchmark: n independent
+samples per question (GRPO sampling, no branching), real tools, results inserted with `render_result`, exactly
+the text RL trains on. Nothing here imports stages.rl, so RL's code does not key SFT's outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from stages.agent.prompts import build_messages
 from stages.agent.protocol import check_format, count_tool_calls
 from stages.core.config.agent import AgentSection
-from stages.core.config.rl import RLSection, RolloutSection
+from stages.core.config.rl import RolloutSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.data import RLRow
 
@@ -37,23 +38,22 @@ def task_rows(tasks: Sequence[dict[str, Any]], template: str) -> list[RLRow]:
 
 
 def sampling_section(n: int, temperature: float, max_new_tokens: int, call_limit: int, backend: str = "transformers",
-                     max_prompt_length: int = 1024) -> RLSection:
-    """GRPO rollouts: n roots per prompt, no branching."""
-    rollout = RolloutSection(strategy="grpo", backend=backend, n=n, initial_rollouts=n, call_limit=call_limit,
-                             max_prompt_length=max_prompt_length, max_response_length=max_new_tokens,
-                             temperature=temperature, prompt_overflow="skip")
-    return RLSection(algorithm="grpo", rollout=rollout)
+                     max_prompt_length: int = 1024) -> RolloutSection:
+    """n independent samples per prompt (TIRRollout does not branch)."""
+    return RolloutSection(strategy="grpo", backend=backend, n=n, initial_rollouts=n, call_limit=call_limit,
+                          max_prompt_length=max_prompt_length, max_response_length=max_new_tokens,
+                          temperature=temperature, prompt_overflow="skip")
 
 
 def sample(policy: ModelRef | CheckpointRef, tasks: Sequence[dict[str, Any]], agent: AgentSection, data: DatasetRef,
-           cache_root: str | Path, rl: RLSection, seed: int = 0, questions_per_batch: int = 8) -> list[Sampled]:
-    """`rl.rollout.n` trajectories for every task, with the real toolbox."""
-    from stages.rl.modeling import load_policy, load_tokenizer
-    from stages.rl.session import RolloutSession
+           cache_root: str | Path, rollout: RolloutSection, seed: int = 0, questions_per_batch: int = 8) -> list[Sampled]:
+    """`rollout.n` trajectories for every task, with the real toolbox."""
+    from stages.generation.models import load_policy, load_tokenizer
+    from stages.generation.session import RolloutSession
 
     tokenizer = load_tokenizer(policy)
     model = load_policy(policy).eval()
-    session = RolloutSession(rl, agent, model, tokenizer, data, Path(cache_root), seed=seed)
+    session = RolloutSession(rollout, agent, model, tokenizer, data, Path(cache_root), seed=seed)
     out: list[Sampled] = []
     try:
         rows = task_rows(tasks, agent.prompt_template)
@@ -68,7 +68,7 @@ def sample(policy: ModelRef | CheckpointRef, tasks: Sequence[dict[str, Any]], ag
 
 def format_metrics(sampled: Sequence[Sampled], reward: str = "reference") -> dict[str, float]:
     """Format-valid rate (check_format), tool-call rate (>= 1 complete call), accuracy (reward's `correct`)."""
-    from stages.rl.rewards import compute_rewards
+    from stages.agent.rewards import compute_rewards
 
     responses = [r for s in sampled for r in s.responses]
     golds = [s.ground_truth for s in sampled for _ in s.responses]

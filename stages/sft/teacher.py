@@ -1,30 +1,37 @@
 """Teacher trajectories for cold-start SFT, built from the generated train tasks with the real tools.
 
-A math task runs its reference solution in the python sandbox; a qa task issues each hop's query to the
-search tool over the generated corpus. The real tool output goes into the text through
-`stages.agent.protocol.render_result`, exactly as RL and evaluation insert it, between `<think>` sections,
-ending in `<answer> The final answer is \\[ \\boxed{X} \\] </answer>`. A trajectory whose tool output does not
-support the gold answer (python printed something else; search missed the hop's document) is left out and
-counted, never patched. Only the `train` split is read.
+The teacher is a scripted model in the agent runtime's text loop (stages.agent.loop), the loop evaluation runs:
+it writes each segment, the loop parses the call its closing tag ends, runs it through the ToolBox and appends
+the result with `render_result`, exactly as RL and evaluation do; the next segment reads that result. A math
+task runs its reference solution in the python sandbox; a qa task issues each hop's query to the search tool
+over the generated corpus. Segments are `<think>` sections and calls, ending in
+`<answer> The final answer is \\[ \\boxed{X} \\] </answer>`. A trajectory whose tool output does not support
+the gold answer (python printed something else; search missed the hop's document) is left out and counted,
+never patched. Only the `train` split is read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.agent.loop import LoopRules, TextBudget, TextLoopState, TextSegment, run_text_loop
 from stages.agent.prompts import build_messages
-from stages.agent.protocol import ToolCall, check_format, render_result
+from stages.agent.protocol import STOP_TAGS, ToolCall, check_format
 from stages.core.atomic import read_jsonl
+from stages.core.config.agent import AgentSection, ToolLimitsSection
 from stages.core.log import get_logger
 from stages.core.reporter import track
 
 log = get_logger(__name__)
 
-RunTool = Callable[[ToolCall], str]  # one tool call -> the result text the environment inserts
+RunTool = Callable[[ToolCall], str]  # one tool call -> the result text the environment inserts (tests, benches)
+Step = Callable[[Any], str]          # the last ToolResult (None at the start) -> the teacher's next segment
 
 _MATH_PLANS = (
     "This needs exact arithmetic on large numbers, so I will compute it with python instead of by hand.",
@@ -71,16 +78,64 @@ def _answer(value: str) -> str:
     return f"<answer> The final answer is \\[ \\boxed{{{value}}} \\] </answer>"
 
 
-def math_trajectory(task: dict[str, Any], run_tool: RunTool, rng: random.Random) -> str:
+@dataclass(frozen=True)
+class _FunctionResult:
+    tool: str
+    text: str
+    ok: bool = True
+    latency_s: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+
+class FunctionTools:
+    """A RunTool function as the loop's toolbox (tests and benches; the stage uses the real ToolBox)."""
+
+    def __init__(self, run_tool: RunTool) -> None:
+        self.run_tool = run_tool
+
+    def new_state(self) -> None:
+        return None
+
+    async def aexecute(self, call: ToolCall, state: None) -> _FunctionResult:
+        start = time.monotonic()
+        return _FunctionResult(call.tool, self.run_tool(call), latency_s=time.monotonic() - start)
+
+
+def play(steps: Sequence[Step], tools: Any) -> str:
+    """Run the teacher's segments through the text loop; the full trajectory text."""
+    state = TextLoopState()
+
+    async def generate(output: str, max_tokens: int, call: int) -> TextSegment:
+        last = state.results[-1] if state.results else None
+        if last is not None and not last.ok:
+            raise UnsupportedTrajectory(f"{last.tool} tool failed: {last.text[:200]}")
+        text = steps[call](last)
+        stop = next((tag for tag in STOP_TAGS if text.endswith(tag)), None)
+        return TextSegment(text, "stop" if stop else "eos", stop, 0)
+
+    tools = tools if hasattr(tools, "aexecute") else FunctionTools(tools)
+    budget = TextBudget(max_tokens=1, max_total_tokens=1, max_calls=len(steps))  # the script costs no tokens
+    asyncio.run(run_text_loop(generate, tools, LoopRules(), budget, state))
+    if state.finish_reason != "stop":  # a bug in the segments below, not in the data
+        raise AssertionError(f"the teacher's script ended with {state.finish_reason!r}")
+    return state.output
+
+
+def math_trajectory(task: dict[str, Any], tools: Any, rng: random.Random) -> str:
     code = task.get("solution_code") or ""
     if not code.strip():
         raise UnsupportedTrajectory("math task has no solution_code")
-    raw = run_tool(ToolCall("python", code))  # inserted as is, exactly as RL inserts the tool's text
-    output = raw.strip()
-    if output != str(task["answer"]).strip():
-        raise UnsupportedTrajectory(f"python printed {output[:60]!r}, gold answer is {task['answer']!r}")
-    return (f"<think> {rng.choice(_MATH_PLANS)} </think>\n<python>\n{code}\n</python>{render_result(raw)}\n"
-            f"<think> {rng.choice(_MATH_CLOSE).format(value=output)} </think>\n{_answer(output)}")
+    before = rng.getstate()  # a dropped task consumes no wording choice: the other tasks' text stays the same
+    plan = rng.choice(_MATH_PLANS)
+
+    def close(result: Any) -> str:
+        output = result.text.strip()  # inserted as is by the loop, exactly as RL inserts the tool's text
+        if output != str(task["answer"]).strip():
+            rng.setstate(before)
+            raise UnsupportedTrajectory(f"python printed {output[:60]!r}, gold answer is {task['answer']!r}")
+        return f"\n<think> {rng.choice(_MATH_CLOSE).format(value=output)} </think>\n{_answer(output)}"
+
+    return play([lambda _: f"<think> {plan} </think>\n<python>\n{code}\n</python>", close], tools)
 
 
 def _squash(text: str) -> str:
@@ -93,28 +148,31 @@ def retrieved(doc: tuple[str, str], result: str) -> bool:
     return title in result and _squash(body[:80]) in _squash(result)
 
 
-def qa_trajectory(task: dict[str, Any], run_tool: RunTool, rng: random.Random,
+def qa_trajectory(task: dict[str, Any], tools: Any, rng: random.Random,
                   docs: dict[str, tuple[str, str]]) -> str:
     hops = task.get("hops") or []
     if not hops:
         raise UnsupportedTrajectory("qa task has no hops")
     answer = str(task["answer"])
-    parts = [f"<think> {rng.choice(_QA_PLANS).format(query=hops[0]['query'])} </think>\n"]
-    for i, hop in enumerate(hops):
-        result = run_tool(ToolCall("search", hop["query"]))
-        doc = docs.get(hop["doc_id"])
-        if doc is None or not retrieved(doc, result):
-            raise UnsupportedTrajectory(f"search for {hop['query']!r} did not return document {hop['doc_id']}")
-        title = doc[0]
-        parts.append(f"<search> {hop['query']} </search>{render_result(result)}\n")
-        if i + 1 < len(hops):
-            text = rng.choice(_QA_NEXT).format(title=title, fact=hop["fact"], query=hops[i + 1]["query"])
-        else:
-            if answer not in result:
+
+    def after(i: int) -> Step:
+        """The segment after hop i's result: check it, then the next search or the answer."""
+        def step(result: Any) -> str:
+            hop, doc = hops[i], docs.get(hops[i]["doc_id"])
+            if doc is None or not retrieved(doc, result.text):
+                raise UnsupportedTrajectory(f"search for {hop['query']!r} did not return document {hop['doc_id']}")
+            if i + 1 < len(hops):
+                text = rng.choice(_QA_NEXT).format(title=doc[0], fact=hop["fact"], query=hops[i + 1]["query"])
+                return f"\n<think> {text} </think>\n<search> {hops[i + 1]['query']} </search>"
+            if answer not in result.text:
                 raise UnsupportedTrajectory(f"the last search result does not contain the answer {answer!r}")
-            text = rng.choice(_QA_CLOSE).format(title=title, fact=hop["fact"], answer=answer)
-        parts.append(f"<think> {text} </think>\n")
-    return "".join(parts) + _answer(answer)
+            text = rng.choice(_QA_CLOSE).format(title=doc[0], fact=hop["fact"], answer=answer)
+            return f"\n<think> {text} </think>\n{_answer(answer)}"
+        return step
+
+    plan = rng.choice(_QA_PLANS).format(query=hops[0]["query"])
+    first = f"<think> {plan} </think>\n<search> {hops[0]['query']} </search>"
+    return play([lambda _: first, *(after(i) for i in range(len(hops)))], tools)
 
 
 def split_doc(contents: str) -> tuple[str, str]:
@@ -141,9 +199,10 @@ def train_tasks(tasks_path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def build_trajectories(tasks: Iterable[dict[str, Any]], run_tool: RunTool, docs: dict[str, tuple[str, str]],
+def build_trajectories(tasks: Iterable[dict[str, Any]], tools: Any, docs: dict[str, tuple[str, str]],
                        template: str, limit: int, seed: int = 0) -> TeacherReport:
-    """Up to `limit` SFT rows (canonical sharegpt) from tasks, in order; unsupported tasks are reported."""
+    """Up to `limit` SFT rows (canonical sharegpt) from tasks, in order; unsupported tasks are reported. `tools`
+    is a ToolBox (or a RunTool function)."""
     rng = random.Random(seed)
     report = TeacherReport()
     tasks = list(tasks)
@@ -153,9 +212,9 @@ def build_trajectories(tasks: Iterable[dict[str, Any]], run_tool: RunTool, docs:
                 break
             try:
                 if task["kind"] == "math":
-                    text = math_trajectory(task, run_tool, rng)
+                    text = math_trajectory(task, tools, rng)
                 else:
-                    text = qa_trajectory(task, run_tool, rng, docs)
+                    text = qa_trajectory(task, tools, rng, docs)
             except UnsupportedTrajectory as err:
                 report.dropped.append(f"{task['id']}: {err}")
                 continue
@@ -174,16 +233,10 @@ def build_trajectories(tasks: Iterable[dict[str, Any]], run_tool: RunTool, docs:
     return report
 
 
-def toolbox_runner(agent_cfg: Any, corpus_path: str | Path, cache_root: str | Path) -> tuple[RunTool, Callable]:
-    """A RunTool over the real tools (stages.agent.toolbox.ToolBox), plus its close function."""
+def teacher_toolbox(agent_cfg: AgentSection, corpus_path: str | Path, cache_root: str | Path) -> Any:
+    """The real tools the teacher calls. The agent's call limits are for the model: the teacher writes its own
+    calls, so they do not apply (and changing them keeps the SFT data, and its cache, the same)."""
     from stages.agent.toolbox import ToolBox
 
-    box = ToolBox.from_config(agent_cfg, corpus_path, cache_root)
-
-    def run(call: ToolCall) -> str:
-        result = box.execute(call, box.new_state())
-        if not result.ok:
-            raise UnsupportedTrajectory(f"{call.tool} tool failed: {result.text[:200]}")
-        return result.text
-
-    return run, getattr(box, "close", lambda: None)
+    unlimited = ToolLimitsSection(max_calls=1_000_000, reject_repeated_queries=False)
+    return ToolBox.from_config(agent_cfg.model_copy(update={"limits": unlimited}), str(corpus_path), str(cache_root))

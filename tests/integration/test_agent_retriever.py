@@ -27,7 +27,7 @@ def served(tmp_path_factory, shared_data):
     folder = tmp_path_factory.mktemp("retriever")
     cache = json.loads((shared_data / "search_cache.json").read_text())
     rows = []
-    for q, value in list(cache.items())[:200]:
+    for value in list(cache.values())[:200]:
         for line in value.splitlines():
             if line.startswith("Page "):
                 rows.append({"id": f"doc-{len(rows)}", "contents": line.split(": ", 1)[1]})

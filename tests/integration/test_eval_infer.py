@@ -1,4 +1,5 @@
-"""Inference end to end on the tiny model behind vLLM's server (the session fixture `vllm_endpoint`): real benchmarks (EVAL-B's loaders over
+"""Inference end to end on the tiny model behind vLLM's server (the session fixture `vllm_endpoint`): real benchmarks
+(EVAL-B's loaders over
 ../shared/data/eval) and the generated synthetic set, the tool path through the real ToolBox, and a run
 killed by SIGKILL midway whose rerun completes only the missing samples."""
 
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from stages.agent.loop import TextSegment, run_text_loop
 from stages.core.env import PROJECT_ROOT
 from stages.core.fingerprint import code_version
-from stages.eval.agent_loop import SampleState, run_tool
-from stages.eval.inference import FINAL, PARTIAL, eval_agent, run_inference
+from stages.core.refs import EndpointRef
+from stages.eval.agent_loop import EVAL_STOPS, SampleState
+from stages.eval.inference import FINAL, PARTIAL, eval_agent, loop_settings, run_inference
 from stages.eval.reuse import finished_inference
 from stages.eval.serving import planned_endpoint
 
@@ -72,8 +75,9 @@ def test_real_benchmarks_and_synthetic_end_to_end(endpoint, tiny_model, tiny_con
         again = run_inference(cfg, tiny_config.agent, name, tiny_model, endpoint, synthetic_data, tmp_path,
                               PROJECT_ROOT / ".cache")
         assert again == ref                                             # complete: reused, not rerun
-        # a rerun sees these predictions before serving anything (the pipeline then starts no server)
-        planned = planned_endpoint(tiny_config.serve, tiny_model)
+        # a rerun sees these predictions before serving anything (the pipeline then starts no server); it plans
+        # the server the session fixture started (served as "smol": the rows name what answered)
+        planned = planned_endpoint(tiny_config.serve.model_copy(update={"served_name": "smol"}), tiny_model)
         assert finished_inference(cfg, tiny_config.agent, name, tiny_model, planned, synthetic_data,
                                   tmp_path) == ref.fingerprint
 
@@ -86,17 +90,25 @@ def test_tool_calls_run_through_the_toolbox_with_limit_feedback(tiny_config, syn
     box = ToolBox.from_config(eval_agent(cfg, tiny_config.agent), synthetic_data.files["corpus"],
                               str(PROJECT_ROOT / ".cache"))
     try:
-        state, tool_state = SampleState(output="<think>compute</think><python>print(6*7)</python>"), box.new_state()
-        asyncio.run(run_tool(box, tool_state, state, "</python>"))
-        assert state.output.endswith("</python> <result>\n42\n</result>")   # 6*7 = 42, in the training form
-        state.output += "<python>print(1)</python>"                         # a second call: over max_python=1
-        asyncio.run(run_tool(box, tool_state, state, "</python>"))
-        assert state.output.endswith(f" <result>\n{LIMIT_MESSAGES['python']}\n</result>")
         first_entity = json.loads(Path(synthetic_data.files["corpus"]).read_text().splitlines()[0])
         query = first_entity["contents"].split()[0]
-        state.output += f"<search>{query}</search>"
-        asyncio.run(run_tool(box, tool_state, state, "</search>"))
-        assert query in state.output.rsplit("<result>", 1)[1]                # the corpus passage came back
+        segments = ["<think>compute</think><python>print(6*7)</python>",
+                    "<python>print(1)</python>",                           # a second call: over max_python=1
+                    f"<search>{query}</search>", "done"]
+
+        async def scripted(output: str, max_tokens: int, call: int) -> TextSegment:  # the model, played back
+            text = segments[call]
+            stop = next((s for s in EVAL_STOPS if text.endswith(s)), None)
+            return TextSegment(text, "stop" if stop else "eos", stop, 1)
+
+        state = SampleState()
+        settings = loop_settings(cfg, EndpointRef(url="http://unused/v1", model="m"))
+        asyncio.run(run_text_loop(scripted, box, settings.rules, settings.budget, state))
+        results = state.output.split(" <result>\n")
+        assert results[1].startswith("42\n</result>")                      # 6*7 = 42, in the training form
+        assert results[2].startswith(f"{LIMIT_MESSAGES['python']}\n</result>")
+        assert query in results[3]                                          # the corpus passage came back
+        assert state.output.endswith("</result>done") and state.finish_reason == "stop"
         assert state.tools_run == {"python": 2, "search": 1}
         assert state.timing["python_s"] > 0 and state.timing["search_s"] > 0
     finally:
@@ -171,7 +183,7 @@ def test_cancelled_sample_keeps_its_partial_output(endpoint, tiny_model, tiny_co
         client = async_client(endpoint)
         box = ToolBox.from_config(tiny_config.agent, None, str(PROJECT_ROOT / ".cache"), tools=())  # no tools
         task = asyncio.create_task(run_sample(client, settings, prompt, box, 0, state))
-        while state.llm_calls < 2 and not task.done():
+        while state.llm_calls < 2 and not task.done():  # noqa: ASYNC110 - polls a plain counter
             await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -196,9 +208,9 @@ def test_timed_out_sample_is_recorded_as_such(endpoint, tiny_model, tiny_config,
 
 def test_unreachable_server_fails_and_keeps_nothing_half_done(tiny_model, tiny_config, synthetic_data, small_eval,
                                                               tmp_path) -> None:
+    from stages.core.procs import free_port
     from stages.core.refs import EndpointRef
     from stages.eval.inference import InferenceIncomplete
-    from stages.eval.procs import free_port
 
     dead = EndpointRef(url=f"http://127.0.0.1:{free_port()}/v1", model="smol", meta={"sampling_extras": True})
     with pytest.raises(InferenceIncomplete, match=r"2 of 2 synthetic samples could not reach.*rerun"):
@@ -206,3 +218,36 @@ def test_unreachable_server_fails_and_keeps_nothing_half_done(tiny_model, tiny_c
                       PROJECT_ROOT / ".cache")
     (partial,) = tmp_path.glob(f"eval-infer/*/{PARTIAL}")
     assert partial.read_text() == "" and not (partial.parent / FINAL).exists()
+
+
+def test_switching_endpoints_recomputes_moving_one_does_not(endpoint, tiny_model, tiny_config, synthetic_data,
+                                                            small_eval, tmp_path, prefect_harness) -> None:
+    from prefect import flow
+
+    from stages.core.plan import make_plan
+    from tasks.common import run_stage
+    from tasks.eval_infer import infer_task
+
+    cfg = small_eval.model_copy(update={"max_questions": 1})
+
+    @flow
+    def infer(served: EndpointRef, refresh: bool) -> tuple[str, str]:
+        state = run_stage(infer_task, make_plan(refresh=["infer"] if refresh else []), "infer", cfg,
+                          tiny_config.agent, "synthetic", tiny_model, served, synthetic_data, str(tmp_path),
+                          str(PROJECT_ROOT / ".cache"), return_state=True)
+        return state.name, state.result().fingerprint
+
+    first = infer(endpoint, False)
+    assert first[0] == "Completed"
+    # the same server elsewhere (another port, pid): what it computes is the same -> Prefect's cache answers
+    moved = endpoint.model_copy(update={"url": "http://127.0.0.1:1/v1", "meta": {**endpoint.meta, "pid": 1}})
+    assert infer(moved, False) == ("Cached", first[1])
+    # a server without vLLM's sampling extras samples differently: the key changes, inference runs again
+    plain = endpoint.model_copy(update={"meta": {**endpoint.meta, "sampling_extras": False}})
+    second = infer(plain, False)
+    assert second[0] == "Completed" and second[1] != first[1]
+    assert infer(plain, False) == ("Cached", second[1])
+    # --refresh flips one switch: Prefect recomputes, the stage folder is rebuilt (a new fingerprint)
+    refreshed = infer(plain, True)
+    assert refreshed[0] == "Completed" and refreshed[1] != second[1]
+    assert infer(plain, False) == ("Cached", refreshed[1])

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import urllib.request
 
 import openai
 import pytest
 
-from stages.eval.procs import group_members
+from stages.core.procs import group_members, healthy
 from stages.eval.serving import async_client
 
 pytestmark = pytest.mark.integration
@@ -52,8 +51,7 @@ def test_models_health_and_supervised_group(vllm_endpoint) -> None:
             await client.close()
 
     assert [m.id for m in run(go()).data] == ["smol"]
-    with urllib.request.urlopen(vllm_endpoint.url.removesuffix("/v1") + "/health", timeout=10) as response:
-        assert response.status == 200
+    assert healthy(vllm_endpoint.url.removesuffix("/v1") + "/health", timeout=10)
     # supervisor + API server + engine core + worker, all in one process group that teardown kills
     assert len(group_members(vllm_endpoint.meta["pgid"])) >= 4
     assert vllm_endpoint.meta["backend"] == "vllm" and vllm_endpoint.meta["sampling_extras"] is True

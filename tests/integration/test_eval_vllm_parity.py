@@ -39,7 +39,7 @@ def prompts(tiny_model, synthetic_data) -> list[list[int]]:
 def transformers_greedy(model_path: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.rl.backends import GenRequest, SamplingSpec, load_backend
+    from stages.generation import GenRequest, SamplingSpec, load_backend
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -13,8 +13,9 @@ from stages.core.config import ConfigError, load_config
 from stages.core.config.data import DataSection
 from stages.core.plan import make_plan
 from stages.core.refs import DatasetRef
+from stages.data.prepare import data_key
 from tasks.bootstrap import bootstrap_task
-from tasks.common import call_stage, run_stage, stage_task
+from tasks.common import call_stage, forced, run_stage, stage_task
 from tasks.data import data_task
 from tests.conftest import PROJECT_ROOT, TEST_OUTPUTS
 
@@ -68,10 +69,9 @@ def test_refreshed_output_gets_a_new_fingerprint(tmp_path: Path) -> None:
     assert data_only(True) != first       # downstream keys on the fingerprint, so it recomputes too
 
 
-@stage_task("data-isolated", "stages.data")
-def isolated_data_task(cfg: DataSection, output_root: str, python: str | None = None,
-                       force: bool = False) -> DatasetRef:
-    return call_stage("stages.data.prepare:prepare_data", python, cfg=cfg, output_root=output_root)
+@stage_task("data-isolated", data_key)
+def isolated_data_task(cfg: DataSection, output_root: str, python: str | None = None) -> DatasetRef:
+    return call_stage("stages.data.prepare:prepare_data", python, cfg=cfg, output_root=output_root, force=forced())
 
 
 @flow

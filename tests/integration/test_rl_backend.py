@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from stages.rl.backends import GenRequest, SamplingSpec, load_backend
+from stages.generation import GenRequest, SamplingSpec, load_backend
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """The vLLM rollout backend for real, on CPU, in CI: `rl.rollout.backend: vllm` under the vLLM interpreter.
 
 vLLM cannot be imported here (its pins clash with the main venv), so `tests/integration/vllm_probe.py` runs under
-.venv-vllm/bin/python once per module: it builds the backend as the RL stage does (stages.rl.session), generates
+.venv-vllm/bin/python once per module: it builds the backend as the RL stage does (stages.generation.session), generates
 greedily with the closing tool tags as stops, rolls out one ARPO group per prompt with the real tools, and zeroes
 then restores the trainer's final norm to check that the engine follows the trainer's weights. The assertions are
 here. Only the CUDA-specific part (GPU memory share, weights on the device) stays behind the `gpu` marker below.
@@ -99,7 +99,7 @@ def cuda_setup(tiny_model):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.rl.backends import load_backend
+    from stages.generation import load_backend
 
     tok = AutoTokenizer.from_pretrained(tiny_model.path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32,
@@ -113,7 +113,7 @@ def cuda_setup(tiny_model):
 def test_cuda_weights_on_the_device_follow_the_trainer(cuda_setup) -> None:
     import torch
 
-    from stages.rl.backends import GenRequest, SamplingSpec
+    from stages.generation import GenRequest, SamplingSpec
 
     model, tok, backend = cuda_setup
     out = tok.apply_chat_template([{"role": "user", "content": "Name the capital of France."}],

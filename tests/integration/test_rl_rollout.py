@@ -13,8 +13,8 @@ import torch
 from stages.core.config.agent import AgentSection, SearchSection
 from stages.core.config.rl import RolloutSection
 from stages.data import read_rl_parquet
-from stages.rl.backends import load_backend
-from stages.rl.prompts import PromptItem, build_prompt_items
+from stages.generation import load_backend
+from stages.generation.prompts import PromptItem, build_prompt_items
 from stages.rl.rollout import RolloutEngine
 
 pytestmark = pytest.mark.integration

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from stages.agent.rewards import REWARDS, Reward
 from stages.core.atomic import read_jsonl
 from stages.core.config import load_config
 from stages.core.env import PROJECT_ROOT
-from stages.rl.rewards import REWARDS, Reward
 from stages.rl.trainer import RLTrainer, run_rl
 
 pytestmark = pytest.mark.integration

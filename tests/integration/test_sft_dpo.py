@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from stages.agent.protocol import check_format
+from stages.agent.rewards import compute_rewards
 from stages.core.atomic import read_jsonl
-from stages.rl.rewards import compute_rewards
 from stages.sft import passthrough
 from stages.sft.dpo import run_dpo
 from tests.conftest import TEST_OUTPUTS

@@ -3,7 +3,7 @@
     .venv-vllm/bin/python -m tests.integration.vllm_probe <request.json> <result.json>
 
 vLLM's pins clash with the main venv, so the test process cannot import it; this script builds the vLLM rollout
-backend exactly as the RL stage does with `rl.rollout.backend: vllm` (stages.rl.session.RolloutSession), runs a
+backend exactly as the RL stage does with `rl.rollout.backend: vllm` (stages.generation.session.RolloutSession), runs a
 token-in/token-out generation, an ARPO group with the real tools, and a weight refresh, and writes what came
 out as JSON. The assertions live in the test, which runs in the main venv.
 """
@@ -24,7 +24,7 @@ def trainer_logprobs(model, context: list[int], generated: list[int]) -> tuple[l
     branching entropy the transformers backend computes from those full distributions (TokenEntropy, top-10)."""
     import torch
 
-    from stages.rl.entropy import TokenEntropy
+    from stages.generation.token_entropy import TokenEntropy
 
     with torch.no_grad():
         logits = model(torch.tensor([context + generated])).logits[0, len(context) - 1:-1].float()
@@ -42,10 +42,10 @@ def main(request_path: str, result_path: str) -> None:
     from stages.core.config.rl import RLSection
     from stages.core.refs import DatasetRef
     from stages.data import read_rl_parquet
-    from stages.rl.backends import GenRequest, SamplingSpec
-    from stages.rl.prompts import PromptItem, build_prompt_items
+    from stages.generation import GenRequest, SamplingSpec
+    from stages.generation.prompts import PromptItem, build_prompt_items
+    from stages.generation.session import RolloutSession
     from stages.rl.rollout import RolloutEngine
-    from stages.rl.session import RolloutSession
 
     req = json.loads(Path(request_path).read_text())
     torch.set_num_threads(1)
@@ -55,7 +55,7 @@ def main(request_path: str, result_path: str) -> None:
     agent = AgentSection(search=SearchSection(top_k=1, max_chars_per_passage=120))
     data = DatasetRef.model_validate(req["data"])
     started = time.monotonic()
-    session = RolloutSession(cfg, agent, model, tok, data, Path(req["cache"]), seed=0)
+    session = RolloutSession(cfg.rollout, agent, model, tok, data, Path(req["cache"]), seed=0)
     out: dict = {"engine_startup_s": round(time.monotonic() - started, 1), "backend": type(session.backend).__name__,
                  "vocab_size": session.backend.vocab_size}
     rows = [r for r in read_rl_parquet(data.file("rl_train")) if r.ability == "qa"][:2]

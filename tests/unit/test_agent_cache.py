@@ -50,7 +50,7 @@ def test_two_processes_write_concurrently(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, str(n)], cwd=PROJECT_ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
     outputs = [p.communicate(timeout=300) for p in procs]
-    for proc, (out, err) in zip(procs, outputs):
+    for proc, (_out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err  # no "database is locked", no lost write
     with ToolCache(path) as cache:
         # 150 private keys per writer + 20 shared keys written by both

@@ -10,7 +10,6 @@ from stages.agent.protocol import (
     ToolCall,
     check_format,
     count_tool_calls,
-    cut_at_stop,
     extract_answer,
     parse_tool_call,
     render_result,
@@ -118,12 +117,8 @@ def test_count_tool_calls_ignores_results_and_unclosed():
     assert count_tool_calls(text) == {"search": 0, "python": 1}
 
 
-def test_render_result_and_cut_at_stop():
+def test_render_result_and_stop_tags():
     assert render_result("5") == " <result>\n5\n</result>"
-    assert cut_at_stop("<search>q</search> <result>junk") == ("<search>q</search>", "</search>")
-    assert cut_at_stop("<python>1</python><search>q</search>") == ("<python>1</python>", "</python>")
-    assert cut_at_stop("<answer>\\boxed{1}</answer> extra") == ("<answer>\\boxed{1}</answer>", "</answer>")
-    assert cut_at_stop("nothing") == ("nothing", None)
     assert STOP_TAGS == ("</search>", "</python>")
 
 

@@ -142,7 +142,7 @@ def test_aexecute(box):
 
 def test_unavailable_tool_and_template(corpus, tmp_path):
     with ToolBox.from_config(_config(prompt_template="tir_search"), str(corpus), str(tmp_path)) as search_only:
-        assert search_only.tools == ("search",) and search_only.sandbox is None
+        assert search_only.tools == ("search",)
         result = search_only.execute(ToolCall("python", "1"), search_only.new_state())
         assert not result.ok and result.meta["rejected"] == "unavailable" and "not available" in result.text
 
@@ -163,7 +163,40 @@ def test_debugger_fixes_failing_code(corpus, tmp_path):
         with ToolBox.from_config(cfg, str(corpus), str(tmp_path)) as debug_box:
             state = debug_box.new_state()
             fixed = debug_box.execute(ToolCall("python", "print(7 / undefined)"), state)
-            assert fixed.ok and fixed.text == "3" and fixed.meta["debugged"] and state.debug_used == 1
+            assert fixed.ok and fixed.text == "3" and fixed.meta["debugged"] and state.scratch["python_debug"] == 1
             # max_debug = 1: the second failure of this trajectory is returned as is
             second = debug_box.execute(ToolCall("python", "1/0"), state)
             assert not second.ok and "ZeroDivisionError" in second.text and len(log) == 1
+
+
+def test_a_new_tool_is_one_registered_class(tmp_path):
+    from stages.agent.prompts import template_tools
+    from stages.agent.protocol import check_format, count_tool_calls
+    from stages.agent.tools import TOOLS, Tool, ToolOutput, register_tool
+
+    @register_tool("echo")
+    class Echo(Tool):
+        argument = "text"
+
+        def run(self, argument, state):
+            return ToolOutput(argument.upper(), True, {})
+
+    try:
+        cfg = AgentSection.model_validate({"limits": {"max_calls": 1}, "cache": {"tools": ["echo"]}})
+        with ToolBox.from_config(cfg, None, str(tmp_path), tools=("echo",)) as echo_box:
+            state = echo_box.new_state()
+            call = parse_tool_call("<think>t</think><echo> hi </echo>")
+            assert call == ToolCall("echo", "hi")  # the protocol reads the new tag from the registry
+            assert echo_box.execute(call, state).text == "HI"
+            again = echo_box.execute(call, echo_box.new_state())
+            assert again.cached and again.text == "HI"  # cached: it is in agent.cache.tools
+            # messages follow from the class: one call allowed in total, an empty one is named by its argument
+            assert echo_box.execute(call, state).text == LIMIT_MESSAGES["total"]
+            assert echo_box.execute(ToolCall("echo", " "), echo_box.new_state()).text == \
+                "The echo text is empty. Write the text between <echo> and </echo>."
+            assert echo_box.metrics()["echo_calls"] == 2.0  # the run and the cache hit; rejections count apart
+        text = "<think>a</think><echo>x</echo> <result>\nX\n</result><think>b</think><answer>\\boxed{X}</answer>"
+        assert count_tool_calls(text)["echo"] == 1 and check_format(text).ok
+        assert "echo" not in template_tools("tir_search_python")  # offered only by a template that shows <echo>
+    finally:
+        TOOLS._entries.pop("echo")

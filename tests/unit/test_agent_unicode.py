@@ -15,6 +15,7 @@ from stages.agent.search.replay import ReplayBackend
 from stages.agent.search.server import ServerBackend
 from stages.agent.search.web import WebBackend
 from stages.agent.toolbox import ToolBox, valid_text
+from stages.agent.tools import SearchTool, ToolEnv
 from stages.core.config.agent import AgentSection, PythonToolSection, WebSearchSection
 from tests.unit.agent_support import arbitrary_texts, require_bwrap
 from tests.unit.test_agent_search import DOCS, _fake_brightdata, serve_in_thread
@@ -76,7 +77,7 @@ def test_search_backends_never_raise(kind, corpus, tmp_path, monkeypatch):
     with ExitStack() as stack:
         search = _search_backend(kind, corpus, tmp_path, monkeypatch, stack)
         cfg = AgentSection.model_validate({"limits": {"max_calls": 10_000, "reject_repeated_queries": False}})
-        box = ToolBox(cfg, search, None, ToolCache(tmp_path / "tools.sqlite"))
+        box = ToolBox(cfg, {"search": SearchTool(cfg, ToolEnv(), backend=search)}, ToolCache(tmp_path / "tools.sqlite"))
         stack.callback(box.close)
         state = box.new_state()
         count = 200 if kind in ("local", "replay") else 60

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from stages.core.config import CONFIG_DIR, ConfigError, load_config, profile_names, to_yaml
 from stages.core.config.loader import parse_override, read_yaml, validate
@@ -97,7 +98,7 @@ def test_override_values_parse_as_yaml(text: str, expected: tuple) -> None:
 def test_overrides_apply_and_config_is_frozen() -> None:
     config = load_config("tiny-cpu", ["rl.rollout.n=8", "rl.optim.lr=1e-5", "eval.benchmarks=[gsm8k]"])
     assert config.rl.rollout.n == 8 and config.rl.optim.lr == 1e-5 and config.eval.benchmarks == ["gsm8k"]
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         config.rl.rollout.n = 3  # type: ignore[misc]
 
 

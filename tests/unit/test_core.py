@@ -21,7 +21,8 @@ def test_registry_miss_lists_known_names_and_nearest() -> None:
         return "x"
 
     assert losses.get("ppo_dual_clip") is dual_clip
-    with pytest.raises(UnknownNameError, match=r"unknown policy loss 'ppo_dual'.*'ppo_dual_clip'.*Known: \['ppo_dual_clip'\]"):
+    with pytest.raises(UnknownNameError, match=r"unknown policy loss 'ppo_dual'.*'ppo_dual_clip'"
+                       r".*Known: \['ppo_dual_clip'\]"):
         losses.get("ppo_dual")
 
 

@@ -100,30 +100,53 @@ def test_stage_key_ignores_concurrency_judge_and_url_but_not_sampling() -> None:
     assert inference_key(cfg, AgentSection(), "gsm8k", "h", other, CPU, DATA) != base           # model changed
 
 
-def test_infer_task_cache_ignores_the_endpoint_but_not_the_model() -> None:
-    from tasks.eval_infer import INFER_CACHE
+def _infer_inputs(tmp_path: Path, **changes) -> dict:
+    """The infer task's inputs over a two-question synthetic benchmark written to tmp_path."""
+    test = tmp_path / "eval_test.jsonl"
+    if not test.exists():
+        test.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} + 1?", "answer": str(i + 1),
+                                            "kind": "math"}) + "\n" for i in range(2)))
+    data = DATA.model_copy(update={"files": {"eval_test": str(test)}})
+    return {"cfg": EvalSection(), "agent": AgentSection(), "benchmark": "synthetic", "model": MODEL,
+            "endpoint": CPU, "data": data, "output_root": str(tmp_path / "out"), "cache_root": ".cache"} | changes
 
-    inputs = {"cfg": EvalSection(), "agent": AgentSection(), "benchmark": "gsm8k", "model": MODEL, "endpoint": CPU,
-              "data": DATA, "output_root": "out", "cache_root": ".cache", "force": False}
-    key = INFER_CACHE.compute_key(None, inputs, {})
-    moved = CPU.model_copy(update={"url": "http://127.0.0.1:5000/v1", "meta": {"pid": 2}})
-    assert INFER_CACHE.compute_key(None, inputs | {"endpoint": moved, "force": True}, {}) == key
+
+def test_infer_task_cache_is_the_stage_key(tmp_path: Path) -> None:
+    from stages.core.workspace import stage_dir
+    from stages.eval.inference import STAGE, infer_key
+    from tasks.eval_infer import infer_task
+
+    policy = infer_task.cache_policy
+    inputs = _infer_inputs(tmp_path)
+    key = policy.compute_key(None, inputs, {})
+    # the Prefect key is the stage folder's key (+ the folder's root): they change together
+    folder = stage_dir(inputs["output_root"], STAGE, infer_key(**{k: v for k, v in inputs.items()
+                                                                  if k not in ("output_root", "cache_root")}))
+    assert policy.compute_key(None, _infer_inputs(tmp_path, output_root=str(tmp_path / "elsewhere")), {}) != key
+    assert folder.path.parent.parent == (tmp_path / "out").resolve()
+    # where the server runs (URL, port, pid) is not what it computes: the same key
+    moved = CPU.model_copy(update={"url": "http://127.0.0.1:5000/v1", "meta": {"sampling_extras": True, "pid": 2}})
+    assert policy.compute_key(None, _infer_inputs(tmp_path, endpoint=moved), {}) == key
+    # switching the endpoint to one without vLLM's sampling extras, or serving another model, recomputes
+    plain = CPU.model_copy(update={"meta": {"sampling_extras": False}})
+    other_name = CPU.model_copy(update={"model": "smol-dpo"})
+    other_weights = CPU.model_copy(update={"model_fingerprint": "e" * 16})
+    for endpoint in (plain, other_name, other_weights):
+        assert policy.compute_key(None, _infer_inputs(tmp_path, endpoint=endpoint), {}) != key, endpoint
     other = MODEL.model_copy(update={"fingerprint": "b" * 16})
-    assert INFER_CACHE.compute_key(None, inputs | {"model": other}, {}) != key
-    assert INFER_CACHE.compute_key(None, inputs | {"benchmark": "aime24"}, {}) != key
+    assert policy.compute_key(None, _infer_inputs(tmp_path, model=other), {}) != key
 
 
-def test_infer_task_cache_ignores_scoring_settings_but_not_generation_ones() -> None:
+def test_infer_task_cache_ignores_scoring_settings_but_not_generation_ones(tmp_path: Path) -> None:
     from stages.core.config.eval import JudgeSection
-    from tasks.eval_infer import INFER_CACHE
+    from tasks.eval_infer import infer_task
 
-    cfg = EvalSection()
-    inputs = {"cfg": cfg, "agent": AgentSection(), "benchmark": "gsm8k", "model": MODEL, "endpoint": CPU,
-              "data": DATA, "output_root": "out", "cache_root": ".cache", "force": False}
-    key = INFER_CACHE.compute_key(None, inputs, {})
+    policy, cfg = infer_task.cache_policy, EvalSection()
+    key = policy.compute_key(None, _infer_inputs(tmp_path), {})
     rescoring = cfg.model_copy(update={"judge": JudgeSection(enabled=False), "pass_k": [1, 4], "bootstrap_seed": 3,
                                        "concurrency": 2})
-    assert INFER_CACHE.compute_key(None, inputs | {"cfg": rescoring}, {}) == key
-    for field, value in (("temperature", 0.0), ("samples", 4), ("max_tokens", 64), ("max_search", 1)):
+    assert policy.compute_key(None, _infer_inputs(tmp_path, cfg=rescoring), {}) == key
+    for field, value in (("temperature", 0.0), ("samples", 4), ("max_tokens", 64), ("max_search", 1),
+                         ("max_questions", 1)):  # max_questions: fewer questions, another content hash
         changed = cfg.model_copy(update={field: value})
-        assert INFER_CACHE.compute_key(None, inputs | {"cfg": changed}, {}) != key, field
+        assert policy.compute_key(None, _infer_inputs(tmp_path, cfg=changed), {}) != key, field

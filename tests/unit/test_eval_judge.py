@@ -13,8 +13,7 @@ import pytest
 
 from stages.core.config.eval import JudgeSection
 from stages.core.refs import EndpointRef
-from stages.eval.judge import (PROMPT_HASH, Judge, JudgeRequest, VerdictCache, format_prompt, judge_identity,
-                               reply_says_correct)
+from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, VerdictCache, format_prompt, reply_says_correct
 
 
 class FakeJudgeServer:
@@ -108,7 +107,7 @@ def test_prompt_and_identity():
     assert "Golden Answer: ['NYC', 'New York']\n" in format_prompt("Where?", ("NYC", "New York"), "NYC")
     a = EndpointRef(url="http://127.0.0.1:8001/v1", model="judge", model_fingerprint="abc")
     b = EndpointRef(url="http://127.0.0.1:9999/v1", model="judge", model_fingerprint="abc")
-    assert judge_identity(a) == judge_identity(b) == "judge@abc"  # the port is not part of what the judge is
+    assert a.identity == b.identity == "judge@abc"  # the port is not part of what the judge is
 
 
 def test_cache_key_covers_every_part(tmp_path):

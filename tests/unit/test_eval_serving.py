@@ -16,8 +16,8 @@ import pytest
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection, VLLMSection
 from stages.core.env import PROJECT_ROOT
+from stages.core.procs import free_port, group_members, kill_group, launch
 from stages.core.refs import EndpointRef, ModelRef
-from stages.eval.procs import free_port, group_members, kill_group, launch
 from stages.eval.serving import planned_endpoint, planned_judge, start_judge, start_server, stop_server
 from stages.eval.vllm_cmd import ServeError, resolve_executable, resolve_vllm, vllm_command, vllm_env
 
@@ -98,7 +98,7 @@ def test_supervisor_kills_the_group_when_the_pipeline_dies_by_sigkill(tmp_path: 
     pgid_file = tmp_path / "pgid"
     script = textwrap.dedent(f"""
         import sys, time
-        from stages.eval.procs import launch
+        from stages.core.procs import launch
         proc = launch({_forking_command()!r}, {str(tmp_path / 'x.log')!r})
         open({str(pgid_file)!r}, 'w').write(str(proc.pid))
         time.sleep(300)

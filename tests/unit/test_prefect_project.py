@@ -11,7 +11,7 @@ import tomllib
 import pytest
 import yaml
 
-from flows import cli
+from flows import server as cli
 from flows.automations import CRASH_AFTER_S, HEARTBEAT_S, crash_silent_runs
 from stages.core.config import profile_names
 from stages.core.env import PROJECT_ROOT, local_environment

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from stages.core.config.rl import RLSection
+from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
 from stages.rl import checkpoint as ckpt
 from stages.rl.logprobs import collate, policy_forward
 from stages.rl.metrics import append_metrics, reconcile_metrics
 from stages.rl.trainer import epoch_order, plan_steps
-from stages.rl.types import RolloutBatch, RolloutGroup, Trajectory
 from stages.rl.update import StepTensors, _trim, branch_parents, ppo_update
 
 torch.set_num_threads(1)
@@ -188,12 +188,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_llama):
 
 
 def test_rollout_dump_and_markdown_sample(tmp_path):
+    from stages.agent.rewards import Reward
     from stages.rl.metrics import (
         dump_rollouts,
         rollout_metrics,
         rollout_sample_markdown,
     )
-    from stages.rl.rewards import Reward
 
     class Tok:
         def decode(self, ids, skip_special_tokens=False):

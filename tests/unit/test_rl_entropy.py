@@ -11,18 +11,16 @@ import torch
 from stages.core.config import ConfigError, load_config
 from stages.core.config.rl import RolloutSection
 from stages.core.registry import UnknownNameError
-from stages.rl.backends.base import SamplingSpec
-from stages.rl.backends.sampling import sample_tokens
-from stages.rl.backends.vllm_backend import result_from_output
-from stages.rl.branching import aepo_branch_probability, arpo_branch_probability
-from stages.rl.entropy import (
-    ENTROPY_QUANTITIES,
-    EntropyWindow,
-    LogprobView,
+from stages.generation.base import SamplingSpec
+from stages.generation.sampling import sample_tokens
+from stages.generation.token_entropy import (
     TokenEntropy,
     view_from_logp,
     view_from_positions,
 )
+from stages.generation.vllm_backend import result_from_output
+from stages.rl.branching import aepo_branch_probability, arpo_branch_probability
+from stages.rl.entropy import EntropyWindow
 
 torch.set_num_threads(1)
 P5 = [0.5, 0.2, 0.15, 0.1, 0.05]
@@ -93,25 +91,27 @@ def test_full_quantity_needs_the_whole_distribution():
         TokenEntropy("full")(view, 10)
     with pytest.raises(ConfigError, match="entropy_quantity=full needs the whole distribution"):
         load_config("tiny-cpu", ["rl.rollout.backend=vllm", "rl.rollout.entropy_quantity=full"])
-    with pytest.raises(UnknownNameError, match="Known: \\['full', 'topk'"):
+    with pytest.raises(ConfigError, match="which verl's servers do not return"):
+        load_config("tiny-cpu", ["rl.engine=verl", "rl.rollout.entropy_quantity=full"])
+    with pytest.raises(UnknownNameError, match="Known: \\['full', 'surprisal', 'topk'"):
         TokenEntropy("surprise")
 
 
-def test_quantity_registry_is_the_seam_for_other_entropies():
-    # a new quantity (e.g. the sampled token's surprisal -log p / ln|V|) plugs in by name, for every backend
-    @ENTROPY_QUANTITIES.register("unit-test-surprisal")
-    def surprisal(view: LogprobView, vocab_size: int) -> torch.Tensor:
-        return -view.sampled_B / math.log(vocab_size)
-
-    try:
-        logp = torch.tensor([P5]).log()
-        # -ln 0.1 / ln 5 = 2.302585 / 1.609438 = 1.430677
-        assert TokenEntropy("unit-test-surprisal").from_logp(logp, torch.tensor([3])).item() == pytest.approx(
-            1.430677, abs=1e-6)
-        view = view_from_logp(logp, torch.tensor([3]), 2)
-        assert view.sampled_in_top_B.tolist() == [False] and view.top_BK.shape == (1, 2)
-    finally:
-        ENTROPY_QUANTITIES._entries.pop("unit-test-surprisal")
+def test_surprisal_is_one_quantity_for_every_backend():
+    # the sampled token's surprisal -log p / ln|V|: p = 0.1 over |V| = 5 -> -ln 0.1 / ln 5 = 2.302585 / 1.609438
+    # = 1.430677, whether the backend has the whole distribution (transformers), vLLM's top entries, or only the
+    # sampled log-prob (verl's stock server)
+    logp = torch.tensor([P5]).log()
+    assert TokenEntropy("surprisal").from_logp(logp, torch.tensor([3])).item() == pytest.approx(1.430677, abs=1e-6)
+    assert TokenEntropy("surprisal").from_positions([{3: entry(math.log(0.1), 4)}], [3], 5) == \
+        pytest.approx([1.430677], abs=1e-6)
+    # a non-finite log-prob counts 0; p = 1 gives -0.0 -> 0
+    assert TokenEntropy("surprisal").from_sampled([math.log(0.1), -math.inf, 0.0], 5) == \
+        pytest.approx([1.430677, 0.0, 0.0], abs=1e-6)
+    view = view_from_logp(logp, torch.tensor([3]), 2)
+    assert view.sampled_in_top_B.tolist() == [False] and view.top_BK.shape == (1, 2)
+    with pytest.raises(ValueError, match="entropy_quantity=topk"):  # no top-k known: only surprisal applies
+        TokenEntropy("full").from_sampled([-1.0], 5)
 
 
 def test_default_window_sums_and_branch_probabilities_spread():

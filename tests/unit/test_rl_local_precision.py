@@ -8,8 +8,8 @@ import torch
 
 from stages.core.config import load_config
 from stages.core.refs import ModelRef
+from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
 from stages.rl.modeling import compute_dtype, configure_for_training, parameters_billion
-from stages.rl.types import RolloutBatch, RolloutGroup, Trajectory
 from stages.rl.update import build_step_tensors, ppo_update
 
 torch.set_num_threads(1)

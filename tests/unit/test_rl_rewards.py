@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from stages.agent.rewards import REWARDS, compute_rewards
 from stages.core.registry import UnknownNameError
-from stages.rl.rewards import REWARDS, compute_rewards
 
 SEARCH = "<think>look it up</think><search>capital of France</search> <result>\nParis is the capital.\n</result>"
 PYTHON = "<think>check</think><python>print(2+3)</python> <result>\n5\n</result>"

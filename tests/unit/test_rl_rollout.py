@@ -12,7 +12,7 @@ import pytest
 
 from stages.core.config.rl import RolloutSection
 from stages.data import RLRow
-from stages.rl.prompts import PromptItem, PromptTooLongError, build_prompt_items
+from stages.generation.prompts import PromptItem, PromptTooLongError, build_prompt_items
 from stages.rl.rollout import RolloutEngine
 from tests.unit.test_rl_rollout_fakes import (
     EOS,

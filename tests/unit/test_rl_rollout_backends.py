@@ -1,4 +1,4 @@
-"""Generation-backend pieces that need no model: sampling math, stop matching, KV batch layout and masks,
+"""Generation-backend pieces that need no model: sampling math, KV batch layout and masks,
 the vLLM parameter/result conversion, the factory."""
 
 from __future__ import annotations
@@ -10,28 +10,27 @@ import pytest
 import torch
 
 from stages.core.registry import UnknownNameError
-from stages.rl.backends import (
+from stages.generation import (
     BACKENDS,
     GenRequest,
     GenResult,
     SamplingSpec,
-    StopMatcher,
     load_backend,
 )
-from stages.rl.backends.base import ForwardStats
-from stages.rl.backends.kvcache import (
+from stages.generation.base import ForwardStats
+from stages.generation.kvcache import (
     SeqCache,
     assemble,
     attention_mask_4d,
     common_prefix,
 )
-from stages.rl.backends.sampling import sample_tokens
-from stages.rl.backends.vllm_backend import (
+from stages.generation.sampling import sample_tokens
+from stages.generation.token_entropy import TokenEntropy
+from stages.generation.vllm_backend import (
     VLLMNotInstalledError,
     result_from_output,
     sampling_kwargs,
 )
-from stages.rl.entropy import TokenEntropy
 from tests.unit.test_rl_rollout_fakes import ToyTokenizer
 
 torch.set_num_threads(1)
@@ -76,18 +75,6 @@ def test_sampling_is_seeded():
     a = sample_tokens(logits, spec, torch.Generator().manual_seed(7))[0]
     b = sample_tokens(logits, spec, torch.Generator().manual_seed(7))[0]
     assert torch.equal(a, b)
-
-
-def test_stop_matcher_on_decoded_text():
-    tok = ToyTokenizer()
-    m = StopMatcher(tok, ("</search>", "</python>"))
-    assert m.match(tok.chars("abc <search>x</sea")) is None
-    assert m.match(tok.chars("abc <search>x</search>")) == "</search>"
-    assert m.match(tok.encode("x</python>", add_special_tokens=False)) == "</python>"   # one multi-char token
-    ids = tok.chars("a</python></search>")  # checked after every token, as a backend does: </python> fires first
-    first = next(i for i in range(1, len(ids) + 1) if m.match(ids[:i]))
-    assert (first, m.match(ids[:first])) == (10, "</python>")
-    assert StopMatcher(tok, ()).match(tok.chars("</search>")) is None
 
 
 def test_request_and_spec_validation():

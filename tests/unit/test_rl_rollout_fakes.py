@@ -15,12 +15,12 @@ import string
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from stages.rl.backends.base import (
+from stages.agent.stops import StopMatcher
+from stages.generation.base import (
     ForwardStats,
     GenRequest,
     GenResult,
     SamplingSpec,
-    StopMatcher,
 )
 
 MULTI = ["</search>", "<search>", "</python>", "<python>", "<result>", "</result>", "<answer>", "</answer>"]

@@ -12,12 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stages.agent.rewards import compute_rewards
+from stages.agent.stops import StopMatcher
 from stages.core.config import ConfigError, load_config
 from stages.core.config.rl import AdvantageSection, RLSection
 from stages.core.config.rl_engine import local_engine_problem, params_from_name
+from stages.generation.base import GenRequest, SamplingSpec
+from stages.generation.token_entropy import TokenEntropy
 from stages.rl.advantages import compute_advantages, owner_matrix
-from stages.rl.backends.base import GenRequest, SamplingSpec, StopMatcher
-from stages.rl.rewards import compute_rewards
 from stages.rl.verl.advantage import tree_advantages
 from stages.rl.verl.mapping import VerlPaths, verl_overrides
 from stages.rl.verl.reward import compute_score
@@ -87,7 +89,8 @@ def test_mapping_options_and_refusals():
     o = _as_dict(verl_overrides(rl, "float32", 0, VerlPaths(**{**PATHS.__dict__, "model": "/my models/a=b"})))
     a = "actor_rollout_ref.actor"
     assert o[f"{a}.use_kl_loss"] == "true" and o[f"{a}.kl_loss_type"] == "kl" and o[f"{a}.kl_loss_coef"] == "0.01"
-    assert o[f"{a}.loss_agg_mode"] == "seq-mean-token-sum-norm" and o[f"{a}.loss_scale_factor"] == str(rl.rollout.max_response_length)
+    assert o[f"{a}.loss_agg_mode"] == "seq-mean-token-sum-norm"
+    assert o[f"{a}.loss_scale_factor"] == str(rl.rollout.max_response_length)
     assert o["data.filter_overlong_prompts"] == "true" and o["trainer.v1.trainer_mode"] == "sync"
     assert o["actor_rollout_ref.model.path"] == "'/my models/a=b'"            # quoted for hydra
     with pytest.raises(ValueError, match="no verl registration"):
@@ -99,27 +102,30 @@ def _out(ids, logps, stop_reason="completed", extra=None):
     return SimpleNamespace(token_ids=ids, log_probs=logps, stop_reason=stop_reason, extra_fields=extra or {})
 
 
+SURPRISAL, TOPK = TokenEntropy("surprisal"), TokenEntropy("topk", 10)
+
+
 def test_token_output_conversion():
     tok = ToyTokenizer()
     stopper = StopMatcher(tok, ("</search>",))
     ln_v = math.log(len(tok))
     search = tok.chars("a</search>")
-    res = result_from_token_output(_out(search, [-0.5] * len(search)), stopper, frozenset({0}), len(tok), "surprisal")
+    res = result_from_token_output(_out(search, [-0.5] * len(search)), stopper, frozenset({0}), len(tok), SURPRISAL)
     assert (res.finish_reason, res.stop) == ("stop", "</search>")
     assert res.entropies == pytest.approx([0.5 / ln_v] * len(search))          # surprisal / ln|V|
     assert result_from_token_output(_out([5, 0], [-1.0, -2.0]), stopper, frozenset({0}), len(tok),
-                                    "surprisal").finish_reason == "eos"
+                                    SURPRISAL).finish_reason == "eos"
     assert result_from_token_output(_out([5, 6], [-1.0, -2.0]), stopper, frozenset({0}), len(tok),
-                                    "surprisal").finish_reason == "length"
+                                    SURPRISAL).finish_reason == "length"
     topk = result_from_token_output(_out([5], [-1.0], extra={"arpo_entropies": [2.0]}), stopper, frozenset({0}),
-                                    len(tok), "topk")
+                                    len(tok), TOPK)
     assert topk.entropies == pytest.approx([2.0 / ln_v])
     with pytest.raises(RuntimeError, match="top-k"):
-        result_from_token_output(_out([5], [-1.0]), stopper, frozenset({0}), len(tok), "topk")
+        result_from_token_output(_out([5], [-1.0]), stopper, frozenset({0}), len(tok), TOPK)
     with pytest.raises(RuntimeError, match="aborted"):
-        result_from_token_output(_out([], None, "aborted"), stopper, frozenset({0}), len(tok), "surprisal")
+        result_from_token_output(_out([], None, "aborted"), stopper, frozenset({0}), len(tok), SURPRISAL)
     with pytest.raises(RuntimeError, match="calculate_log_probs"):
-        result_from_token_output(_out([5], None), stopper, frozenset({0}), len(tok), "surprisal")
+        result_from_token_output(_out([5], None), stopper, frozenset({0}), len(tok), SURPRISAL)
 
 
 def test_server_backend_submits_a_round_concurrently_under_one_request_id():
@@ -239,7 +245,8 @@ def test_topk_server_asks_marked_requests_for_k_logprobs_and_returns_their_entro
 
         async def generate(self, prompt_ids, sampling_params, request_id):
             params = SimpleNamespace(logprobs=0 if sampling_params.pop("logprobs", False) else None)
-            async for final in self.engine.generate(prompt=prompt_ids, sampling_params=params, request_id=request_id):
+            async for final in self.engine.generate(prompt=prompt_ids, sampling_params=params,  # noqa: B007
+                                                    request_id=request_id):
                 pass
             return SimpleNamespace(token_ids=final.outputs[0].token_ids, extra_fields={})
 

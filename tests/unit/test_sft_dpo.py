@@ -67,6 +67,6 @@ def test_format_metrics_with_the_reference_reward() -> None:
 
 
 def test_sampling_section_is_plain_grpo() -> None:
-    rl = sampling_section(n=4, temperature=1.0, max_new_tokens=128, call_limit=3)
-    assert (rl.rollout.strategy, rl.rollout.n, rl.rollout.initial_rollouts, rl.rollout.call_limit) == ("grpo", 4, 4, 3)
-    assert rl.rollout.max_response_length == 128
+    rollout = sampling_section(n=4, temperature=1.0, max_new_tokens=128, call_limit=3)
+    assert (rollout.strategy, rollout.n, rollout.initial_rollouts, rollout.call_limit) == ("grpo", 4, 4, 3)
+    assert rollout.max_response_length == 128

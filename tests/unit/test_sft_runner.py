@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from stages.sft.masking import IGNORE_INDEX, label_runs, overlapping_tokens, result_spans
-from stages.sft.runner import (LlamaFactoryError, is_progress_line, loss_curve, parse_log_dict, resume_point,
-                               run_streaming, subprocess_env, training_metrics)
+from stages.sft.runner import (
+    LlamaFactoryError,
+    is_progress_line,
+    loss_curve,
+    parse_log_dict,
+    resume_point,
+    run_streaming,
+    subprocess_env,
+    training_metrics,
+)
 
 
 def test_result_spans_include_the_protocol_space_and_truncated_results() -> None:

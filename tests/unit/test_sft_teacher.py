@@ -18,8 +18,15 @@ from stages.agent.prompts import system_prompt
 from stages.agent.protocol import ToolCall, check_format, count_tool_calls, extract_answer
 from stages.core.config.data import SyntheticSection
 from stages.data.synthetic import generate
-from stages.sft.teacher import (UnsupportedTrajectory, build_trajectories, corpus_docs, math_trajectory, qa_trajectory,
-                                split_doc, train_tasks)
+from stages.sft.teacher import (
+    UnsupportedTrajectory,
+    build_trajectories,
+    corpus_docs,
+    math_trajectory,
+    qa_trajectory,
+    split_doc,
+    train_tasks,
+)
 
 GEN = generate(SyntheticSection(seed=5, n_math=10, n_qa=10, n_entities=12))
 DOCS = {d["id"]: split_doc(d["contents"]) for d in GEN.corpus}

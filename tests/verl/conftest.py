@@ -38,7 +38,8 @@ def settings_file(tmp_path, monkeypatch):
 
     def make(advantage: AdvantageSection | None = None, **rollout) -> PluginSettings:
         base = {"strategy": "arpo", "n": 4, "initial_rollouts": 2, "beam_size": 2, "branch_probability": 1.0,
-                "entropy_weight": 0.0, "call_limit": 1, "max_prompt_length": 256, "max_response_length": 160}
+                "entropy_weight": 0.0, "entropy_quantity": "surprisal", "call_limit": 1,
+                "max_prompt_length": 256, "max_response_length": 160}
         settings = PluginSettings(rollout=RolloutSection(**{**base, **rollout}),
                                   advantage=advantage or AdvantageSection(), seed=5, eos_token_ids=[0])
         path = write_settings(settings, tmp_path / f"settings-{len(list(tmp_path.iterdir()))}.json")

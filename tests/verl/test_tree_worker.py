@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from stages.agent.protocol import render_result
+from stages.agent.rewards import compute_rewards
 from stages.core.config.rl import AdvantageSection
 from stages.rl.advantages import compute_advantages, owner_matrix
-from stages.rl.rewards import compute_rewards
 from tests.unit.test_rl_rollout_fakes import ToyTokenizer, ToyToolBox
 
 pytestmark = pytest.mark.verl
@@ -147,13 +147,15 @@ def test_stock_list_return_path_would_copy_one_reward_to_every_trajectory(tiny_v
 
     settings = settings_file()
     worker, server, store = make_worker(tiny_verl_config, monkeypatch)
-    fields = asyncio.get_event_loop().run_until_complete(rollout_tree(server.generate, worker.tokenizer, ToyToolBox(), settings, sample(),
-                                      {"temperature": 1.0}, global_step=3, validate=False, val_n=1, request_id="u1"))
+    loop = asyncio.get_event_loop()
+    fields = loop.run_until_complete(rollout_tree(server.generate, worker.tokenizer, ToyToolBox(), settings, sample(),
+                                                  {"temperature": 1.0}, global_step=3, validate=False, val_n=1,
+                                                  request_id="u1"))
     outputs = [AgentLoopOutput(**{k: v for k, v in f.items() if k != "metrics"}, metrics=AgentLoopMetrics())
                for f in fields]
     kwargs = {k: v for k, v in sample().items() if k != "agent_name"}
-    asyncio.get_event_loop().run_until_complete(AgentLoopWorkerTQ.__ray_actor_class__._agent_loop_postprocess(worker, outputs, False, session_id=0,
-                                                                               **kwargs))
+    postprocess = AgentLoopWorkerTQ.__ray_actor_class__._agent_loop_postprocess
+    loop.run_until_complete(postprocess(worker, outputs, False, session_id=0, **kwargs))
     keys, data = stored(store)
     assert keys == ["u1_0_0", "u1_0_1", "u1_0_2", "u1_0_3"]           # one session: GRPO would keep only u1_0_3
     last = data["rm_scores"][3].sum().item()

@@ -95,7 +95,7 @@ class SearchBackend(ABC):
     def batch_search(self, queries: list[str], top_k: int) -> list[list[Passage]]:
         return [self.search(q, top_k) for q in queries]
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op by default, not abstract: most backends hold nothing
         """Release connections or files (default: nothing)."""
 
     def __enter__(self) -> Self:

@@ -77,10 +77,11 @@ class ToolLimitsSection(Section):
 class ToolCacheSection(Section):
     enabled: bool = True
     path: str | None = Field(None, description="SQLite file; None = <cache_root>/tool_cache.sqlite")
-    tools: list[Literal["search", "python"]] = Field(
+    tools: list[str] = Field(
         default_factory=lambda: ["search"],
-        description="tools whose successful results are cached. python only with agent.python.seed set: without "
-        "it, random/time outputs would repeat across trajectories and samples; even with it, code that reads the "
+        description="registered tools (stages/agent/tools.py) whose successful results are cached. python only "
+        "with agent.python.seed set: without it, random/time outputs would repeat across trajectories and "
+        "samples; even with it, code that reads the "
         "clock or the OS's entropy is replayed, so keep it off for RL and sampled evaluation")
 
 

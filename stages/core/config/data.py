@@ -30,7 +30,7 @@ class DataSection(Section):
     bad_rows: Literal["error", "skip"] = Field("skip", description="skip = log file+row of each bad row, go on")
 
     @model_validator(mode="after")
-    def _parquet_paths(self) -> "DataSection":
+    def _parquet_paths(self) -> DataSection:
         if self.source == "parquet" and not self.train_path:
             raise ValueError("data.source=parquet needs data.train_path (e.g. ../shared/data/rl/train_10k.parquet)")
         return self

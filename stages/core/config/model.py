@@ -24,7 +24,7 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @model_validator(mode="after")
-    def _source_fields(self) -> "ModelSection":
+    def _source_fields(self) -> ModelSection:
         if self.source == "pypi_gguf" and not (self.pypi_package and self.gguf_file):
             raise ValueError("model.source=pypi_gguf needs model.pypi_package and model.gguf_file")
         if self.source in ("hub", "local") and not self.path:

@@ -26,8 +26,10 @@ class RolloutSection(Section):
         "sum", description="a segment's H from its first entropy_tokens token entropies: sum (the reference; tau "
         "and w were tuned on it) or mean (dH ~k times smaller)")
     entropy_tokens: int = Field(20, ge=1, description="k: tokens of a segment that are measured")
-    entropy_quantity: str = Field("topk", description="per-token entropy, registry stages.rl.entropy: topk (the "
-                                  "reference) | full (whole vocabulary, transformers backend only)")
+    entropy_quantity: str = Field("topk", description="per-token entropy, registry stages.generation.token_entropy: "
+                                  "topk (the reference) | full (whole vocabulary, transformers backend only) | "
+                                  "surprisal (-log p of the sampled token; rl.engine verl: the stock server, topk: "
+                                  "our top-k server replica)")
     entropy_topk: int = Field(10, ge=1, description="k of the topk entropy (the reference asks vLLM for 10)")
     call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
     max_prompt_length: int = 1536
@@ -189,6 +191,10 @@ class RLSection(Section):
 
     @model_validator(mode="after")
     def _one_algorithm(self) -> RLSection:
+        if self.engine == "verl" and self.rollout.entropy_quantity == "full":
+            raise ValueError("rl.rollout.entropy_quantity=full needs the whole distribution, which verl's servers do "
+                             "not return; with rl.engine=verl use topk (our top-k server replica) or surprisal "
+                             "(the stock server)")
         algo = self.algorithm
         if self.rollout.strategy != algo:
             raise ValueError(f"rl.rollout.strategy={self.rollout.strategy} contradicts rl.algorithm={algo}: the "

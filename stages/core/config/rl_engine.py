@@ -13,7 +13,6 @@ parameter for the frozen reference model when `rl.loss.kl_coef > 0`. With the vL
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 from pydantic import Field
 
@@ -21,7 +20,7 @@ from stages.core.config.section import Section
 
 BYTES_PER_PARAM_TRAIN = 16       # fp32 weights + fp32 grads + two fp32 AdamW moments
 BYTES_PER_PARAM_REFERENCE = 4    # the frozen fp32 reference policy (only with KL)
-VLLM_GPU_MEMORY_UTILIZATION = 0.6  # stages.rl.backends.vllm_backend.VLLMBackend's default share of the device
+VLLM_GPU_MEMORY_UTILIZATION = 0.6  # stages.generation.vllm_backend.VLLMBackend's default share of the device
 _SIZE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
 
 
@@ -39,10 +38,6 @@ class VerlSection(Section):
     max_token_len_per_gpu: int | None = Field(
         None, ge=1, description="dynamic batch size: tokens per GPU per forward (None = fixed micro batches of "
         "rl.trainer.micro_batch_size trajectories)")
-    entropy: Literal["surprisal", "topk"] = Field(
-        "surprisal", description="branching entropy from verl's stock server: surprisal -log p(sampled)/ln|V| "
-        "(stock vLLM server, unbiased and noisy), or exact top-k entropy through our vLLM server replica")
-    entropy_topk: int = Field(10, ge=1, description="k for entropy=topk (ARPO's reference uses 10)")
     agent_workers: int = Field(8, ge=1, description="agent-loop worker processes (rollout.agent.num_workers)")
     max_concurrent_trees: int = Field(64, ge=1, description="trees rolled out at once per agent-loop worker")
     ray_address: str | None = Field(None, description="join this Ray cluster (e.g. auto); None = start one")

@@ -6,7 +6,6 @@ from pydantic import Field, field_validator
 
 from stages.core.config.section import Section
 
-
 # Training stages run in-process by default; these may be sent to another interpreter instead.
 ISOLATABLE_STAGES = ("sft", "dpo", "rl", "merge")
 

@@ -9,9 +9,29 @@ from stages.core.config.section import Section
 Scalar = str | int | float | bool
 
 
-class DPOSection(Section):
-    """Optional self-critic DPO after SFT (Tool-Star `qwen_lora_dpo_2.yaml`: LoRA r 8, beta 0.1, sigmoid)."""
+class TrainingSection(Section):
+    """The LLaMA-Factory training settings SFT and DPO share, defined once (the defaults are SFT's reference
+    values: full FT, lr 7e-6, 3 epochs; DPOSection re-declares the three whose Tool-Star defaults differ)."""
 
+    learning_rate: float = Field(7e-6, gt=0)
+    num_train_epochs: float = Field(3.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="None = num_train_epochs over the data")
+    per_device_train_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(2, ge=1)
+    cutoff_len: int = Field(15000, ge=16)
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
+    lora_target: str = "all"
+
+
+class DPOSection(TrainingSection):
+    """Optional self-critic DPO after SFT (Tool-Star `qwen_lora_dpo_2.yaml`: LoRA r 8, beta 0.1, sigmoid, lr 5e-6,
+    gradient accumulation 8, cutoff 8192)."""
+
+    # Tool-Star's values where they differ from SFT's (the rest of TrainingSection as is)
+    learning_rate: float = Field(5e-6, gt=0)
+    gradient_accumulation_steps: int = Field(8, ge=1)
+    cutoff_len: int = Field(8192, ge=16)
     enabled: bool = False
     source: Literal["sampled", "file"] = Field(
         "sampled", description="sampled = pairs from trajectories the SFT checkpoint samples with real tools; "
@@ -20,15 +40,6 @@ class DPOSection(Section):
     beta: float = Field(0.1, gt=0, description="LLaMA-Factory pref_beta")
     loss: Literal["sigmoid", "hinge", "ipo"] = Field("sigmoid", description="LLaMA-Factory pref_loss")
     ftx: float = Field(0.0, ge=0, description="pref_ftx: SFT loss weight added to the DPO loss")
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: int = Field(16, ge=1)
-    lora_target: str = "all"
-    learning_rate: float = Field(5e-6, gt=0)
-    num_train_epochs: float = Field(3.0, gt=0)
-    max_steps: int | None = Field(None, ge=1, description="None = num_train_epochs over the pairs")
-    per_device_train_batch_size: int = Field(1, ge=1)
-    gradient_accumulation_steps: int = Field(8, ge=1)
-    cutoff_len: int = Field(8192, ge=16)
     max_questions: int | None = Field(64, ge=1, description="train questions sampled for pairs (None = all)")
     samples_per_question: int = Field(4, ge=2, description="trajectories sampled per question to form pairs")
     pairs_per_question: int = Field(1, ge=1, description="at most this many (correct, incorrect) pairs each")
@@ -41,13 +52,13 @@ class DPOSection(Section):
                                "trajectory as the chosen side; none = such questions give no pair")
 
     @model_validator(mode="after")
-    def _file_needs_path(self) -> "DPOSection":
+    def _file_needs_path(self) -> DPOSection:
         if self.enabled and self.source == "file" and not self.dataset_path:
             raise ValueError("sft.dpo.source=file needs sft.dpo.dataset_path (a sharegpt ranking .json/.jsonl)")
         return self
 
 
-class SFTSection(Section):
+class SFTSection(TrainingSection):
     """Cold-start SFT with LLaMA-Factory (reference: full FT, lr 7e-6, 3 epochs, cosine, warmup 0.1, ZeRO-3)."""
 
     enabled: bool = Field(True, description="false = hand the input model on unchanged")
@@ -64,15 +75,6 @@ class SFTSection(Section):
     mask_tool_results: bool = Field(False, description="no loss on <result> tokens (reference: False, ARPO #9)")
     template: str | None = Field(None, description="LLaMA-Factory chat template; None = the model's template")
     finetuning_type: Literal["full", "lora"] = "full"
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: int = Field(16, ge=1)
-    lora_target: str = "all"
-    learning_rate: float = Field(7e-6, gt=0)
-    num_train_epochs: float = Field(3.0, gt=0)
-    max_steps: int | None = Field(None, ge=1, description="None = num_train_epochs over the data")
-    per_device_train_batch_size: int = Field(1, ge=1)
-    gradient_accumulation_steps: int = Field(2, ge=1)
-    cutoff_len: int = Field(15000, ge=16)
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     lr_scheduler_type: str = "cosine"
     bf16: bool = True
@@ -91,7 +93,7 @@ class SFTSection(Section):
     dpo: DPOSection = DPOSection()
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SFTSection":
+    def _consistent(self) -> SFTSection:
         if self.enabled and self.dataset == "file" and not self.dataset_path:
             raise ValueError("sft.dataset=file needs sft.dataset_path (an ARPO-SFT sharegpt or Tool-Star alpaca file)")
         if self.deepspeed and not self.deepspeed.endswith(".json"):

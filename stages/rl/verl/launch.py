@@ -25,6 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stages.agent.toolbox import corpus_path
 from stages.core.atomic import write_json, write_text
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
@@ -32,7 +33,7 @@ from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.data import RLRow, read_rl_parquet
 from stages.data.rl_parquet import SCHEMA
-from stages.rl.modeling import policy_folder, tokenizer_folder
+from stages.generation.models import policy_folder, tokenizer_folder
 from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, verl_overrides
 from stages.rl.verl.parity import check_parity
 from stages.rl.verl.settings import SETTINGS_ENV, PluginSettings, write_settings
@@ -93,7 +94,7 @@ def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache
                     model_dir: Path) -> PluginSettings:
     from transformers import AutoTokenizer, GenerationConfig
 
-    from stages.rl.backends.base import eos_ids_of
+    from stages.generation.base import eos_ids_of
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     try:
@@ -101,8 +102,8 @@ def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache
     except OSError:
         generation = None
     return PluginSettings(rollout=cfg.rollout, agent=agent, advantage=cfg.advantage, reward=cfg.trainer.reward,
-                          seed=seed, entropy=cfg.verl.entropy, entropy_topk=cfg.verl.entropy_topk,
-                          corpus_path=agent.search.corpus_path or data.files.get("corpus"),
+                          seed=seed,
+                          corpus_path=corpus_path(agent, data),
                           cache_root=str(Path(cache_root).resolve()),
                           max_concurrent_trees=cfg.verl.max_concurrent_trees,
                           eos_token_ids=sorted(eos_ids_of(tokenizer, generation)))

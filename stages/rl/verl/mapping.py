@@ -116,7 +116,7 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         "trainer.experiment_name": paths.experiment, "trainer.val_before_train": False, "trainer.test_freq": -1,
         "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_SETTINGS": paths.settings,
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": "stages.rl.verl.plugin",
-        "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_ENTROPY": vs.entropy,
+        "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_ENTROPY": rl.rollout.entropy_quantity,
     }
     if vs.max_token_len_per_gpu:
         o |= {f"{actor}.use_dynamic_bsz": True, f"{actor}.ppo_max_token_len_per_gpu": vs.max_token_len_per_gpu,

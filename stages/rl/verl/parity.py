@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from stages.core.log import get_logger
-from stages.rl.prompts import chat_prompt_ids
+from stages.generation.prompts import chat_prompt_ids
 
 log = get_logger(__name__)
 PARENT_PYTHON_ENV = "ARPO_PARENT_PYTHON"

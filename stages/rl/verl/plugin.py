@@ -70,8 +70,8 @@ def _policy_loss(ours: str):
 for _ours, _name in VERL_NAMES.items():
     register_policy_loss(_name)(_policy_loss(_ours))
 
-from stages.rl.verl import agent_loop as _agent_loop  # noqa: F401  (registers arpo_tree)
-from stages.rl.verl import trainer_mode as _trainer_mode  # noqa: F401  (registers arpo_sync)
+from stages.rl.verl import agent_loop as _agent_loop  # noqa: F401, E402  (registers arpo_tree)
+from stages.rl.verl import trainer_mode as _trainer_mode  # noqa: F401, E402  (registers arpo_sync)
 
 if os.environ.get("ARPO_VERL_ENTROPY") == "topk":
     from stages.rl.verl.topk_server import register_topk_replica

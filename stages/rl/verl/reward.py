@@ -4,7 +4,7 @@ verl's reward manager calls `compute_score(data_source=, solution_str=, ground_t
 once per trajectory, with `solution_str` = the response decoded with skip_special_tokens=True (model text plus the
 <result> blocks, as our trainer scores `response_text`) and `extra_info` = the dataset's extra_info merged with
 the agent loop's extra_fields (our tree loop puts the row's `ability` there). `reward` (a reward_kwargs entry the
-mapping sets) names the function in `stages.rl.rewards.REWARDS` (rl.trainer.reward). The returned extras become
+mapping sets) names the function in `stages.agent.rewards.REWARDS` (rl.trainer.reward). The returned extras become
 verl metrics (`acc`, `f1`, `format_error`), so every value is a number.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.rl.rewards import FORMAT_PENALTY, compute_rewards
+from stages.agent.rewards import FORMAT_PENALTY, compute_rewards
 
 
 def compute_score(data_source: str = "", solution_str: str = "", ground_truth: Any = "",

@@ -11,7 +11,6 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
@@ -29,8 +28,6 @@ class PluginSettings(Section):
     advantage: AdvantageSection = AdvantageSection()
     reward: str = "reference"
     seed: int = Field(0, description="run seed; trees are seeded from (seed, global step, dataset index)")
-    entropy: Literal["surprisal", "topk"] = "surprisal"
-    entropy_topk: int = 10
     corpus_path: str | None = None
     cache_root: str = ".cache"
     max_concurrent_trees: int = 64

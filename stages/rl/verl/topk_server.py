@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stages.rl.entropy import topk_entropy, view_from_positions
+from stages.generation.token_entropy import topk_entropy, view_from_positions
 from stages.rl.verl.tree import ENTROPY_FIELD, TOPK_FIELD
 
 

@@ -10,11 +10,11 @@ role `fork` / `prefill` play in our transformers backend; here they are no-ops, 
 verl's server reports only the sampled ids, their log-probs and 'completed' / 'aborted', so the finish reason is
 read off the ids: EOS when the last id is an EOS id, `stop` when a stop tag ends the decoded tail, else `length`.
 
-Entropy for branching (docs/rl.md): `surprisal` = -log p(sampled) / ln|V| from the stock server (its expectation
-under the sampling distribution is the entropy, so a window mean is an unbiased, noisier estimate); `topk` = the
-exact truncated top-k entropy computed by our vLLM server replica (stages/rl/verl/topk_server.py) and returned in
-`TokenOutput.extra_fields["arpo_entropies"]`. The local engine's transformers backend uses the full-vocabulary
-entropy and its vLLM backend the top-k one; all are divided by ln|V|.
+Entropy for branching is the rollout's quantity (`rl.rollout.entropy_quantity`, stages/generation/token_entropy.py):
+`surprisal` = -log p(sampled) / ln|V| from the stock server (its expectation under the sampling distribution is the
+entropy, so a window mean is an unbiased, noisier estimate); `topk` = the exact truncated top-k entropy computed by
+our vLLM server replica (stages/rl/verl/topk_server.py) and returned in `TokenOutput.extra_fields["arpo_entropies"]`,
+the same quantity as the local engine's backends; `full` needs the whole distribution, which no server returns.
 """
 
 from __future__ import annotations
@@ -22,25 +22,28 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from stages.agent.stops import StopMatcher
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RolloutSection
 from stages.core.fingerprint import hash_value
 from stages.data import RLRow
-from stages.rl.backends.base import (
+from stages.generation.base import (
     ForwardStats,
     GenRequest,
     GenResult,
+    PrefixCached,
     SamplingSpec,
-    StopMatcher,
     eos_ids_of,
+    vllm_sampling_params,
 )
-from stages.rl.prompts import build_prompt_items
+from stages.generation.prompts import build_prompt_items
+from stages.generation.token_entropy import TokenEntropy
+from stages.generation.types import RolloutBatch
 from stages.rl.rollout import RolloutEngine
-from stages.rl.types import RolloutBatch
 from stages.rl.verl.settings import PluginSettings
 
 ENTROPY_FIELD = "arpo_entropies"   # per-token top-k entropy (nats) from our server replica
@@ -49,25 +52,18 @@ TOPK_FIELD = "arpo_entropy_topk"   # sampling param asking our replica for it
 GenerateFn = Callable[..., Awaitable[Any]]  # LLMServerClient.generate(request_id, *, prompt_ids, sampling_params)
 
 
-def server_sampling_params(sampling: SamplingSpec, max_new_tokens: int, seed: int | None, entropy: str,
-                           topk: int) -> dict[str, Any]:
+def server_sampling_params(sampling: SamplingSpec, max_new_tokens: int, seed: int | None,
+                           entropy: TokenEntropy) -> dict[str, Any]:
     """Sampling params for verl's `generate`: passed to vLLM's SamplingParams (`logprobs` is turned into 0 =
-    the sampled token's log-prob by verl's server)."""
-    params: dict[str, Any] = {
-        "temperature": max(0.0, sampling.temperature), "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1, "max_tokens": max_new_tokens,
-        "stop": list(sampling.stop), "include_stop_str_in_output": True, "logprobs": True,
-        "skip_special_tokens": False, "repetition_penalty": 1.0,
-    }
-    if seed is not None:
-        params["seed"] = int(seed)
-    if entropy == "topk":
-        params[TOPK_FIELD] = int(topk)
+    the sampled token's log-prob by verl's server); `topk` asks our server replica for its entropies."""
+    params = {**vllm_sampling_params(sampling, max_new_tokens, seed), "logprobs": True, "repetition_penalty": 1.0}
+    if entropy.quantity == "topk":
+        params[TOPK_FIELD] = int(entropy.k)
     return params
 
 
 def result_from_token_output(output: Any, stopper: StopMatcher, eos_ids: frozenset[int], vocab_size: int,
-                             entropy: str) -> GenResult:
+                             entropy: TokenEntropy) -> GenResult:
     """A verl `TokenOutput` (token_ids, log_probs, stop_reason, extra_fields) as our GenResult."""
     if output.stop_reason == "aborted":
         raise RuntimeError("verl aborted a generate request of the rollout tree (partial rollout / weight sync); "
@@ -77,29 +73,30 @@ def result_from_token_output(output: Any, stopper: StopMatcher, eos_ids: frozens
         raise RuntimeError("verl's server returned no per-token log-probs; set "
                            "actor_rollout_ref.rollout.calculate_log_probs=true (the mapping does)")
     logps = [float(x) for x in output.log_probs]
-    if entropy == "topk":
+    if entropy.quantity == "topk":
         nats = (output.extra_fields or {}).get(ENTROPY_FIELD)
         if nats is None or len(nats) != len(ids):
-            raise RuntimeError(f"rl.verl.entropy=topk but the server returned no '{ENTROPY_FIELD}'; the top-k "
-                               "replica (stages/rl/verl/topk_server.py) is not serving; check the plugin log")
+            raise RuntimeError(f"rl.rollout.entropy_quantity=topk but the server returned no '{ENTROPY_FIELD}'; the "
+                               "top-k replica (stages/rl/verl/topk_server.py) is not serving; check the plugin log")
         ents = [float(h) / math.log(vocab_size) for h in nats]
     else:
-        ents = [max(0.0, -lp) / math.log(vocab_size) if math.isfinite(lp) else 0.0 for lp in logps]
+        ents = entropy.from_sampled(logps, vocab_size)
     if ids and ids[-1] in eos_ids:
         return GenResult(ids, logps, ents, "eos")
     stop = stopper.match(ids)
     return GenResult(ids, logps, ents, "stop", stop) if stop else GenResult(ids, logps, ents, "length")
 
 
-class ServerBackend:
+class ServerBackend(PrefixCached):
     """GenerationBackend over verl's `LLMServerClient.generate`, called from a thread beside the event loop."""
 
     name = "verl-server"
 
     def __init__(self, generate: GenerateFn, loop: asyncio.AbstractEventLoop, request_id: str, tokenizer,
-                 eos_token_ids: frozenset[int], entropy: str = "surprisal", topk: int = 10) -> None:
+                 eos_token_ids: frozenset[int], entropy: TokenEntropy | None = None) -> None:
         self._generate, self._loop, self.request_id = generate, loop, request_id
-        self.tokenizer, self.eos_token_ids, self.entropy, self.topk = tokenizer, eos_token_ids, entropy, topk
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.entropy = entropy or TokenEntropy("surprisal")
         self.vocab_size = len(tokenizer)
         self.stats = ForwardStats()
 
@@ -111,29 +108,17 @@ class ServerBackend:
         stopper = StopMatcher(self.tokenizer, tuple(sampling.stop))
         futures = [asyncio.run_coroutine_threadsafe(self._generate(
             self.request_id, prompt_ids=list(r.token_ids), sampling_params=server_sampling_params(
-                sampling, r.max_new_tokens, None if seed is None else seed + i, self.entropy, self.topk)),
+                sampling, r.max_new_tokens, None if seed is None else seed + i, self.entropy)),
             self._loop) for i, r in enumerate(requests)]
         results = []
         for req, future in zip(requests, futures):
             output = future.result()
             res = result_from_token_output(output, stopper, self.eos_token_ids, self.vocab_size, self.entropy)
             cached = int((output.extra_fields or {}).get("num_cached_tokens") or 0)
-            self.stats.prefill_tokens += len(req.token_ids) - cached
-            self.stats.reused_tokens += cached
-            self.stats.decode_tokens += len(res.token_ids)
-            self.stats.padded_tokens += len(req.token_ids) - cached + len(res.token_ids)
+            self.stats.add_request(len(req.token_ids), cached, len(res.token_ids))
             results.append(res)
         self.stats.forward_calls += 1
         return results
-
-    def prefill(self, items: Sequence[tuple[Hashable, list[int]]]) -> None:
-        """No-op: vLLM's prefix cache on the sticky replica shares the prompt."""
-
-    def fork(self, src: Hashable, dst: Hashable, n_tokens: int) -> None:
-        """No-op: a branch's context starts with its parent's tokens, which the prefix cache recognises."""
-
-    def release(self, keys: Iterable[Hashable] | None = None) -> None:
-        """No-op: vLLM evicts blocks itself."""
 
 
 def tree_seed(run_seed: int, global_step: int, index: int, validate: bool = False) -> int:
@@ -216,8 +201,8 @@ async def rollout_tree(generate: GenerateFn, tokenizer, toolbox, settings: Plugi
     items = build_prompt_items([row], tokenizer, cfg.max_prompt_length, cfg.prompt_overflow,
                                source=f"verl dataset row {row.index}")
     eos = frozenset(settings.eos_token_ids) if settings.eos_token_ids else eos_ids_of(tokenizer)
-    backend = ServerBackend(generate, asyncio.get_running_loop(), request_id, tokenizer, eos, settings.entropy,
-                            settings.entropy_topk)
+    backend = ServerBackend(generate, asyncio.get_running_loop(), request_id, tokenizer, eos,
+                            TokenEntropy(cfg.entropy_quantity, cfg.entropy_topk))
     engine = RolloutEngine(backend, toolbox, tokenizer, cfg, show_progress=False)
     seed = tree_seed(settings.seed, global_step, row.index, validate)
     batch = await asyncio.get_running_loop().run_in_executor(executor, lambda: engine.rollout(items, seed=seed))

@@ -11,14 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from stages.core.registry import Registry
-from stages.rl.backends.base import (
+from stages.generation.base import (
     FINISH_REASONS,
     ForwardStats,
     GenerationBackend,
     GenRequest,
     GenResult,
     SamplingSpec,
-    StopMatcher,
 )
 
 BACKENDS: Registry = Registry("generation backend")
@@ -26,14 +25,14 @@ BACKENDS: Registry = Registry("generation backend")
 
 @BACKENDS.register("transformers")
 def _transformers(model: Any, tokenizer: Any, **opts: Any) -> GenerationBackend:
-    from stages.rl.backends.hf import TransformersBackend
+    from stages.generation.hf import TransformersBackend
 
     return TransformersBackend(model, tokenizer, **opts)
 
 
 @BACKENDS.register("vllm")
 def _vllm(model: Any, tokenizer: Any, **opts: Any) -> GenerationBackend:
-    from stages.rl.backends.vllm_backend import VLLMBackend
+    from stages.generation.vllm_backend import VLLMBackend
 
     return VLLMBackend(model, tokenizer, **opts)
 
@@ -44,4 +43,4 @@ def load_backend(name: str, model: Any, tokenizer: Any, **opts: Any) -> Generati
 
 
 __all__ = ["BACKENDS", "FINISH_REASONS", "ForwardStats", "GenRequest", "GenResult", "GenerationBackend",
-           "SamplingSpec", "StopMatcher", "load_backend"]
+           "SamplingSpec", "load_backend"]

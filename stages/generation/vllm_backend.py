@@ -27,18 +27,20 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from stages.core.log import get_logger
-from stages.rl.backends.base import (
+from stages.generation.base import (
     ForwardStats,
     GenRequest,
     GenResult,
+    PrefixCached,
     SamplingSpec,
     eos_ids_of,
+    vllm_sampling_params,
 )
-from stages.rl.entropy import TokenEntropy
+from stages.generation.token_entropy import TokenEntropy
 
 log = get_logger(__name__)
 
@@ -62,18 +64,7 @@ def import_vllm():
 def sampling_kwargs(sampling: SamplingSpec, max_new_tokens: int, seed: int | None, logprobs_k: int,
                     allowed_vocab: int | None) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams` for one request (pure; vLLM's -1 = no top-k)."""
-    kwargs: dict[str, Any] = {
-        "n": 1,
-        "temperature": max(0.0, sampling.temperature),
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "max_tokens": max_new_tokens,
-        "stop": list(sampling.stop),
-        "include_stop_str_in_output": True,
-        "logprobs": logprobs_k,
-        "skip_special_tokens": False,
-        "seed": seed,
-    }
+    kwargs: dict[str, Any] = {"n": 1, **vllm_sampling_params(sampling, max_new_tokens, seed), "logprobs": logprobs_k}
     if allowed_vocab is not None:  # padded embedding rows: never sample an id the tokenizer does not know
         kwargs["allowed_token_ids"] = list(range(allowed_vocab))
     return kwargs
@@ -102,7 +93,7 @@ def result_from_output(completion: Any, eos_ids: frozenset[int], entropy: TokenE
                        f"(stop_reason {completion.stop_reason!r}); expected stop or length")
 
 
-class VLLMBackend:
+class VLLMBackend(PrefixCached):
     name = "vllm"
 
     def __init__(self, model, tokenizer, *, model_path: str | None = None, llm: Any = None,
@@ -162,23 +153,10 @@ class VLLMBackend:
         results = []
         for req, out in zip(requests, outputs):
             res = result_from_output(out.outputs[0], self.eos_token_ids, self.entropy, self.vocab_size)
-            cached = int(getattr(out, "num_cached_tokens", 0) or 0)
-            self.stats.prefill_tokens += len(req.token_ids) - cached
-            self.stats.reused_tokens += cached
-            self.stats.decode_tokens += len(res.token_ids)
-            self.stats.padded_tokens += len(req.token_ids) - cached + len(res.token_ids)
+            self.stats.add_request(len(req.token_ids), int(getattr(out, "num_cached_tokens", 0) or 0), len(res.token_ids))
             results.append(res)
         self.stats.forward_calls += 1
         return results
-
-    def prefill(self, items: Sequence[tuple[Hashable, list[int]]]) -> None:
-        """No-op: automatic prefix caching shares prompt blocks between the requests of a group."""
-
-    def fork(self, src: Hashable, dst: Hashable, n_tokens: int) -> None:
-        """No-op: a branch's context starts with its parent's tokens, which prefix caching recognises."""
-
-    def release(self, keys: Iterable[Hashable] | None = None) -> None:
-        """No-op: vLLM evicts cached blocks itself; `refresh_weights` resets them when weights change."""
 
 
 def _engine_model(llm: Any) -> Any:

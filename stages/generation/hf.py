@@ -21,16 +21,16 @@ from contextlib import contextmanager
 
 import torch
 
+from stages.agent.stops import StopMatcher
 from stages.core.log import get_logger
-from stages.rl.backends.base import (
+from stages.generation.base import (
     ForwardStats,
     GenRequest,
     GenResult,
     SamplingSpec,
-    StopMatcher,
     eos_ids_of,
 )
-from stages.rl.backends.kvcache import (
+from stages.generation.kvcache import (
     Batch,
     SeqCache,
     assemble,
@@ -38,8 +38,8 @@ from stages.rl.backends.kvcache import (
     common_prefix,
     extract,
 )
-from stages.rl.backends.sampling import sample_tokens
-from stages.rl.entropy import TokenEntropy
+from stages.generation.sampling import sample_tokens
+from stages.generation.token_entropy import TokenEntropy
 
 log = get_logger(__name__)
 

@@ -7,8 +7,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.rl.prompts import PromptItem
-from stages.rl.types import RolloutBatch, RolloutGroup, Trajectory
+from stages.generation.prompts import PromptItem
+from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
 
 
 @dataclass

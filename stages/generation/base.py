@@ -12,10 +12,9 @@ ln |V| (|V| = the real vocabulary, padded embedding rows excluded), so it lies i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
 
 FINISH_REASONS = ("stop", "eos", "length")
 
@@ -85,6 +84,13 @@ class ForwardStats:
     def forward_tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
 
+    def add_request(self, context_tokens: int, cached_tokens: int, generated_tokens: int) -> None:
+        """Count one request of a server-side engine (vLLM), whose prefix cache served `cached_tokens`."""
+        self.prefill_tokens += context_tokens - cached_tokens
+        self.reused_tokens += cached_tokens
+        self.decode_tokens += generated_tokens
+        self.padded_tokens += context_tokens - cached_tokens + generated_tokens
+
     def copy(self) -> ForwardStats:
         return ForwardStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
@@ -123,27 +129,18 @@ class GenerationBackend(Protocol):
     def release(self, keys: Iterable[Hashable] | None = None) -> None: ...
 
 
-@dataclass
-class StopMatcher:
-    """Finds the first stop string in the decoded text of a segment's new tokens, checking only the tail.
+class PrefixCached:
+    """KV handling of an engine with automatic prefix caching (vLLM, in-process or behind verl's server): a
+    branch's or a group's shared prefix is recognised from the tokens, so there is nothing to say."""
 
-    A stop string of c characters lies within the last c + 1 tokens that completed it (every token decodes to at
-    least one character except special tokens), so decoding a short tail per step is enough.
-    """
+    def prefill(self, items: Sequence[tuple[Hashable, list[int]]]) -> None:
+        """No-op: the prefix cache shares a group's prompt blocks."""
 
-    tokenizer: object
-    stops: tuple[str, ...]
-    _tail: int = field(init=False)
+    def fork(self, src: Hashable, dst: Hashable, n_tokens: int) -> None:
+        """No-op: a branch's context starts with its parent's tokens, which the prefix cache recognises."""
 
-    def __post_init__(self) -> None:
-        self._tail = max((len(s) for s in self.stops), default=0) + 2
-
-    def match(self, segment_ids: Sequence[int]) -> str | None:
-        if not self.stops or not segment_ids:
-            return None
-        text = self.tokenizer.decode(list(segment_ids[-self._tail:]), skip_special_tokens=False)
-        hits = [(text.find(s), s) for s in self.stops if s in text]
-        return min(hits)[1] if hits else None
+    def release(self, keys: Iterable[Hashable] | None = None) -> None:
+        """No-op: the engine evicts blocks itself (and drops them when weights change)."""
 
 
 def eos_ids_of(tokenizer, generation_config=None) -> frozenset[int]:
@@ -162,6 +159,15 @@ def eos_ids_of(tokenizer, generation_config=None) -> frozenset[int]:
     return frozenset(ids)
 
 
-def normalised_entropy(entropy_nats: float, vocab_size: int) -> float:
-    """H / ln|V|: 1.0 for a uniform distribution over the vocabulary, 0.0 for a one-hot."""
-    return entropy_nats / math.log(vocab_size)
+def vllm_sampling_params(sampling: SamplingSpec, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
+    """The `vllm.SamplingParams` fields of one request that every vLLM engine gets, ours in-process and verl's
+    servers alike: token ids out exactly as sampled, the stop string kept (the model wrote it); -1 = no top-k."""
+    params: dict[str, Any] = {
+        "temperature": max(0.0, sampling.temperature), "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1, "max_tokens": max_new_tokens,
+        "stop": list(sampling.stop), "include_stop_str_in_output": True, "skip_special_tokens": False,
+    }
+    if seed is not None:
+        params["seed"] = int(seed)
+    return params
+

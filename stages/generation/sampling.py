@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from stages.rl.backends.base import SamplingSpec
-from stages.rl.entropy import TokenEntropy
+from stages.generation.base import SamplingSpec
+from stages.generation.token_entropy import TokenEntropy
 
 
 def sample_tokens(logits_BV: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None = None,

@@ -1,0 +1,221 @@
+"""The tools an agent can call: one registry, one class per tool, one config section each.
+
+A tool is a `Tool` subclass registered with `@TOOLS.register("<name>")`; its settings are the `agent.<section>`
+config section it names. Everything else follows from the registry: the protocol's tags `<name>…</name>` and
+stop strings (stages.agent.protocol), which tools a prompt template offers (stages.agent.prompts), the ToolBox's
+admission (`agent.limits.max_<name>` when that field exists), cache entries and per-tool metrics.
+
+    @TOOLS.register("calculator")
+    class Calculator(Tool):
+        section = "calculator"          # an `agent.calculator` Section (stages/core/config/agent.py)
+        argument = "expression"          # names the argument in the "empty call" message
+        def run(self, argument: str, state: CallState) -> ToolOutput:
+            return ToolOutput(str(evaluate(argument)), True, {})
+
+Built-in tools register here, in protocol order (search first: the reference checks its tags first). A tool
+must never raise on model input: the ToolBox turns an exception into a tool error anyway, but a tool knows
+better what to tell the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from stages.core.config.agent import AgentSection
+from stages.core.fingerprint import code_version, hash_value
+from stages.core.registry import Registry
+
+MISS_MESSAGE = "No recorded search result for this query."
+SEARCH_FAILED = "The search tool failed for this query. Try again later or continue without it."
+SANDBOX_MODULES = ("stages.agent.sandbox", "stages.agent.sandbox_isolation", "stages.agent.sandbox_os",
+                   "stages.agent.sandbox_runner", "stages.agent.sandbox_spec", "stages.agent.sandbox_zygote")
+
+
+@dataclass
+class CallState:
+    """Per-trajectory tool counters and seen queries; `scratch` holds a tool's own per-trajectory budget (e.g. the
+    debugger's). `copy()` gives a branch its own copy of the prefix's."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+    rejected: int = 0
+    seen_queries: set[str] = field(default_factory=set)
+    scratch: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> CallState:
+        return CallState(dict(self.counts), self.total, self.rejected, set(self.seen_queries), dict(self.scratch))
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    text: str
+    ok: bool
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolEnv:
+    """What tools may need besides their config section."""
+
+    corpus_path: str | None = None
+    cache_root: str = ".cache"
+    helper_url: str | None = None      # the debugger's LLM when agent.inference.llm_url is unset (the policy)
+    helper_model: str | None = None
+
+
+class Tool:
+    name: ClassVar[str] = ""
+    section: ClassVar[str | None] = None   # the AgentSection field holding this tool's settings
+    argument: ClassVar[str] = "input"      # what the call's text is, for the "empty call" message
+
+    def __init__(self, cfg: AgentSection, env: ToolEnv) -> None:
+        self.cfg, self.env = cfg, env
+
+    @property
+    def settings(self) -> Any:
+        return getattr(self.cfg, self.section) if self.section else None
+
+    @classmethod
+    def empty_message(cls) -> str:
+        return (f"The {cls.name} {cls.argument} is empty. Write the {cls.argument} between <{cls.name}> and "
+                f"</{cls.name}>.")
+
+    @classmethod
+    def limit_message(cls) -> str:
+        return f"The maximum {cls.name} call limit is exceeded. You are not allowed to use {cls.name}."
+
+    def prepare(self, argument: str) -> str:
+        """The argument as run, cached and compared for repeats."""
+        return argument
+
+    def repeat_key(self, argument: str) -> str | None:
+        """Calls with equal keys in one trajectory are repeats (`agent.limits.reject_repeated_queries`)."""
+        return None
+
+    def version(self) -> str:
+        """Code and settings that change what a call returns: a cached result is reused only under the same."""
+        return code_version(type(self).__module__)
+
+    def backend_id(self) -> str:
+        """Which data answers (a corpus, an interpreter): part of the cache key beside the version."""
+        return ""
+
+    def run(self, argument: str, state: CallState) -> ToolOutput:
+        raise NotImplementedError
+
+    def cacheable(self, output: ToolOutput) -> bool:
+        return output.ok
+
+    def close(self) -> None:
+        """Release processes, connections, indexes."""
+
+
+TOOLS: Registry[type[Tool]] = Registry("tool")
+
+
+def register_tool(name: str):
+    def decorator(cls: type[Tool]) -> type[Tool]:
+        cls.name = name
+        return TOOLS.register(name)(cls)
+
+    return decorator
+
+
+@register_tool("search")
+class SearchTool(Tool):
+    section = "search"
+    argument = "query"
+
+    def __init__(self, cfg: AgentSection, env: ToolEnv, backend: Any = None) -> None:
+        from stages.agent.search import build_search
+
+        super().__init__(cfg, env)
+        self.backend = backend or build_search(cfg.search, env.corpus_path, env.cache_root)
+
+    def prepare(self, argument: str) -> str:
+        from stages.agent.search import normalize_query
+
+        return normalize_query(argument)
+
+    def repeat_key(self, argument: str) -> str | None:
+        return argument.casefold()
+
+    def version(self) -> str:
+        modules = ["stages.agent.search.base"]
+        if self.backend.name in ("local", "server", "web", "replay"):
+            modules.append(f"stages.agent.search.{self.backend.name}")
+        s = self.cfg.search
+        return hash_value(code_version(*modules), s.top_k, s.max_chars_per_passage)
+
+    def backend_id(self) -> str:
+        return f"{self.backend.name}:{self.backend.corpus_id}"
+
+    def run(self, argument: str, state: CallState) -> ToolOutput:
+        from stages.agent.search import SearchError, SearchMiss, format_passages
+
+        s = self.cfg.search
+        try:
+            passages = self.backend.search(argument, s.top_k)
+        except SearchMiss as miss:
+            return ToolOutput(MISS_MESSAGE, False, {"miss": True, "error": str(miss)})
+        except SearchError as err:
+            return ToolOutput(SEARCH_FAILED, False, {"error": str(err)})
+        return ToolOutput(format_passages(passages, s.max_chars_per_passage), True, {"ids": [p.id for p in passages]})
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+@register_tool("python")
+class PythonTool(Tool):
+    """Model-written code in the sandbox; with `agent.inference.debugger` a failing call is rewritten by an LLM
+    once (per `max_debug`) and the fix runs instead (never cached)."""
+
+    section = "python"
+    argument = "code"
+
+    def __init__(self, cfg: AgentSection, env: ToolEnv) -> None:
+        from stages.agent.inference_tools import CodeDebugger, HelperLLM
+        from stages.agent.sandbox import PythonSandbox
+
+        super().__init__(cfg, env)
+        self.sandbox = PythonSandbox(cfg.python)
+        self.debugger = None
+        if cfg.inference.debugger:
+            self.debugger = CodeDebugger(HelperLLM.from_config(cfg.inference, env.helper_url, env.helper_model))
+        self._lock = threading.Lock()
+
+    def version(self) -> str:
+        """The sandbox's code and everything that changes what a call prints: the isolation mode actually in use
+        (a host file readable under rlimit is not under bwrap), limits, seed, preloads, interpreter and its
+        package versions (PythonSandbox.identity)."""
+        return hash_value(code_version(*SANDBOX_MODULES), self.sandbox.identity())
+
+    def backend_id(self) -> str:
+        return f"sandbox:{self.sandbox.mode}:{self.sandbox.executable}"
+
+    def run(self, argument: str, state: CallState) -> ToolOutput:
+        result = self.sandbox.run(argument)
+        meta = {**result.meta, "status": result.status}
+        if not result.ok and self.debugger is not None and result.status in ("error", "timeout", "cpu_limit"):
+            with self._lock:  # one trajectory's calls may run at once (execute_many)
+                allowed = state.scratch.get("python_debug", 0) < self.cfg.inference.max_debug
+                state.scratch["python_debug"] = state.scratch.get("python_debug", 0) + allowed
+            fixed = self.debugger.fix(argument, result.text) if allowed else None
+            if fixed is not None:
+                result = self.sandbox.run(fixed)
+                meta = {**result.meta, "status": result.status, "debugged": True, "debug_code": fixed}
+        return ToolOutput(result.text, result.ok, meta)
+
+    def cacheable(self, output: ToolOutput) -> bool:
+        return output.ok and not output.meta.get("debugged")
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+
+def tool_names() -> tuple[str, ...]:
+    """Every registered tool, in registration (protocol) order."""
+    return tuple(TOOLS.ordered())

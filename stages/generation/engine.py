@@ -1,0 +1,245 @@
+"""The token-level driver of the agent runtime: n tool-using trajectories per prompt over a GenerationBackend.
+
+    engine = TIRRollout(backend, toolbox, tokenizer, rollout_cfg, seed=0)
+    batch = engine.rollout(build_prompt_items(rows, tokenizer, rollout_cfg.max_prompt_length))
+
+One round = one batched `backend.generate` over every active trajectory, stopping at the stop tags / EOS / the
+trajectory's response budget; then each trajectory takes the TIR step (stages.agent.loop.next_step, the rule the
+text loop of evaluation and the SFT teacher follows too): `eos` / `length` finish it; over `call_limit`, or an
+empty or unparsable call, the environment ends it with an appended EOS (mask 1: the policy learns to stop there;
+finish `tool_limit` / `empty_call`, counted); a call is queued. Queued calls run concurrently
+(`toolbox.execute_many`); each result ` <result>\\n{text}\\n</result>` is tokenized standalone without special
+tokens (no BOS) and appended with loss mask 0; tool tokens count against `max_response_length` (a result that
+does not fit is cut and the trajectory ends with `length`). Model tokens are kept exactly as sampled (stop tags
+included); nothing is re-encoded.
+
+Here every group gets n independent roots (GRPO sampling: what SFT's self-critic pairs use). RL's rollout engine
+(stages.rl.rollout.RolloutEngine) is this driver plus branching: it fills the hooks `_initial_count`,
+`_before_roots` (AEPO's probe), `_measure` (segment entropy), `_after_generation` / `_after_tools` (forks) and
+`_fill` (fresh roots). All randomness comes from one numpy generator seeded by (seed, rollout call index).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from stages.agent.loop import LoopRules, Segment, next_step
+from stages.agent.protocol import STOP_TAGS, ToolCall, render_result
+from stages.agent.stops import cut_at_stop
+from stages.core.config.rl import RolloutSection
+from stages.core.log import progress
+from stages.generation.base import GenerationBackend, GenRequest, GenResult, SamplingSpec
+from stages.generation.prompts import PromptItem
+from stages.generation.rollout_state import GroupState, LiveTrajectory, to_batch, trajectory_metrics
+from stages.generation.types import RolloutBatch, Trajectory
+
+
+class ToolRunner(Protocol):
+    """What the driver needs from `stages.agent.toolbox.ToolBox`."""
+
+    def new_state(self) -> Any: ...
+
+    def execute_many(self, calls: Sequence[tuple[ToolCall, Any]]) -> list[Any]: ...  # .tool .text .ok .meta
+
+
+class TIRRollout:
+    branching = False      # RL's engine: the strategy's
+    fill_fresh = False
+
+    def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: RolloutSection,
+                 seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True) -> None:
+        self.backend, self.toolbox, self.tokenizer, self.cfg = backend, toolbox, tokenizer, cfg
+        self.seed, self.show_progress = seed, show_progress
+        self.rules = LoopRules(stops=tuple(stop), call_limit=cfg.call_limit, empty_call="end")
+        self.sampling = SamplingSpec(cfg.temperature, cfg.top_p, cfg.top_k, tuple(stop))
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token; set model.eos_token so forced stops can append EOS")
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.calls = 0
+        self._timers: dict[str, float] = {}
+        self._next_id = 0
+
+    # ---- public ---------------------------------------------------------------------------------------------
+    def rollout(self, prompts: Sequence[PromptItem], seed: int | None = None) -> RolloutBatch:
+        """n trajectories per prompt; caches are dropped at the end (weights change between steps).
+
+        Randomness: `seed` when given (a trainer passes one per step so a resumed run re-samples the same),
+        else (engine seed, number of earlier rollout calls)."""
+        check_prompts(prompts, self.cfg)
+        rng = np.random.default_rng([self.seed, self.calls] if seed is None else [seed])
+        self.calls += 1
+        self._timers, self._next_id = {"generate_s": 0.0, "tools_s": 0.0}, 0
+        start, before = time.perf_counter(), self.backend.stats.copy()
+        self.backend.refresh_weights()
+        try:
+            groups = [GroupState(p, self.cfg.n, self._initial_count()) for p in prompts]
+            self.backend.prefill([(g.prompt_key, g.item.prompt_ids) for g in groups])
+            self._before_roots(groups, rng)
+            for g in groups:
+                for _ in range(g.initial):
+                    self._new_root(g, "root")
+            rounds = self._run(groups, rng, self.branching, self.fill_fresh, "rollout")
+        finally:
+            self.backend.release()
+        metrics = {**trajectory_metrics(groups), "rounds": float(rounds),
+                   **{k: float(v) for k, v in self.backend.stats.since(before).as_dict().items()}}
+        metrics["forward_tokens_per_group"] = metrics["forward_tokens"] / len(groups)
+        metrics.update({f"time_{k}": v for k, v in self._timers.items()})
+        metrics["time_total_s"] = time.perf_counter() - start
+        return to_batch(groups, self.tokenizer, metrics)
+
+    # ---- hooks (RL's branching engine fills them) -----------------------------------------------------------
+    def _initial_count(self) -> int:
+        return self.cfg.n
+
+    def _before_roots(self, groups: list[GroupState], rng: np.random.Generator) -> None:
+        """Before the roots start (AEPO measures a probe here)."""
+
+    def _measure(self, m: LiveTrajectory, res: GenResult) -> None:
+        """Bookkeeping of a newly generated segment (RL: its entropy)."""
+
+    def _after_generation(self, groups: list[GroupState], live: list[LiveTrajectory], rng: np.random.Generator,
+                          branching: bool) -> None:
+        """After a round's segments are taken, before tools run."""
+
+    def _after_tools(self, groups: list[GroupState], called: list[LiveTrajectory], rng: np.random.Generator,
+                     branching: bool) -> None:
+        """After the round's tool results are appended."""
+
+    def _fill(self, g: GroupState) -> None:
+        """Between rounds: start more roots in a group that needs them."""
+
+    # ---- the round loop ---------------------------------------------------------------------------------------
+    def _run(self, groups: list[GroupState], rng: np.random.Generator, branching: bool, fill: bool,
+             label: str, main: bool = True) -> int:
+        """Rounds until no trajectory is active. Caches are freed as soon as nothing can use them: a finished
+        trajectory's after its round (forks happen within the round), a group's prompt cache once the group has
+        all n trajectories (kept through a probe: `main=False`)."""
+        rounds = 0
+        with progress(transient=True) as bar:
+            task = bar.add_task(f"{label} rounds", total=None, visible=self.show_progress)
+            while True:
+                live = [m for g in groups for m in g.members if not m.done]
+                if not live:
+                    return rounds
+                self._round(groups, live, rng, branching)
+                self.backend.release([m.key for m in live if m.done])
+                for g in groups:
+                    if fill:
+                        self._fill(g)
+                    if main and len(g.members) >= g.n:
+                        self.backend.release([g.prompt_key])
+                rounds += 1
+                bar.update(task, advance=1, description=f"{label} round {rounds}: {len(live)} active")
+
+    def _round(self, groups: list[GroupState], live: list[LiveTrajectory], rng: np.random.Generator,
+               branching: bool) -> None:
+        max_len = self.cfg.max_response_length
+        requests = [GenRequest(m.key, m.context, m.budget(max_len)) for m in live]
+        t0 = time.perf_counter()
+        results = self.backend.generate(requests, self.sampling, seed=int(rng.integers(2**31 - 1)))
+        self._timers["generate_s"] += time.perf_counter() - t0
+        for m, res in zip(live, results):
+            m.seg_start = len(m.traj)
+            m.append(res.token_ids, 1, res.logprobs, res.entropies)
+            m.last_after_result, m.after_result = m.after_result, False
+            self._measure(m, res)
+        self._after_generation(groups, live, rng, branching)
+        calls = [(m, call) for m, res in zip(live, results) if (call := self._step(m, res)) is not None]
+        self._run_tools(calls)
+        self._after_tools(groups, [m for m, _ in calls if not m.done], rng, branching)
+
+    def _step(self, m: LiveTrajectory, res: GenResult) -> ToolCall | None:
+        """The TIR step after a segment: finish the trajectory, or return the call it ends with."""
+        text = ""
+        if res.finish_reason == "stop":
+            text = cut_at_stop(self.tokenizer.decode(res.token_ids, skip_special_tokens=False), (res.stop,))[0]
+        # the opening tag may end the prompt (an assistant prefix such as '<think>…</think>\n<search>')
+        before = self._assistant_prefix(m.traj.prompt_ids) if res.finish_reason == "stop" and m.seg_start == 0 \
+            else ""
+        # a request asks for the trajectory's whole remaining budget: a length finish leaves none
+        left = 0 if res.finish_reason == "length" else m.budget(self.cfg.max_response_length)
+        step = next_step(self.rules, Segment(text, res.finish_reason, res.stop, left, before, len(res.token_ids)),
+                         m.n_calls)
+        if step.kind == "call":
+            m.n_calls += 1
+            return step.call
+        if step.kind == "done" and step.ended_by_environment:
+            if step.reason == "empty_call":
+                m.traj.meta["empty_call"] = text[-200:]
+            self._force_eos(m, step.reason)
+        elif step.kind == "done":
+            m.finish(step.reason)
+        return None
+
+    def _assistant_prefix(self, prompt_ids: list[int]) -> str:
+        """Text of the prompt after its last special token (a chat prompt's generation header), e.g. a primer
+        such as '<think>…</think>\\n<search>' that opens the first tool call for the model."""
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or [self.eos_id])
+        start = max((i + 1 for i, t in enumerate(prompt_ids) if t in special), default=0)
+        return self.tokenizer.decode(prompt_ids[max(start, len(prompt_ids) - 256):], skip_special_tokens=False)
+
+    def _force_eos(self, m: LiveTrajectory, reason: str) -> None:
+        """End with an appended EOS (mask 1: the policy learns to stop there; its sample log-prob is 0)."""
+        if m.budget(self.cfg.max_response_length) < 1:
+            m.finish("length")
+            return
+        m.traj.meta["forced_eos"] = len(m.traj)
+        m.append([self.eos_id], 1)
+        m.finish(reason)
+
+    def _run_tools(self, calls: list[tuple[LiveTrajectory, ToolCall]]) -> None:
+        if not calls:
+            return
+        t0 = time.perf_counter()
+        results = self.toolbox.execute_many([(call, m.state) for m, call in calls])
+        self._timers["tools_s"] += time.perf_counter() - t0
+        for (m, call), res in zip(calls, results):
+            tool = getattr(res, "tool", None) or call.tool
+            m.traj.tool_calls[tool] = m.traj.tool_calls.get(tool, 0) + 1
+            meta = getattr(res, "meta", None) or {}
+            if meta.get("rejected"):  # not run: over an agent limit, a repeated query, an unavailable tool
+                m.traj.meta["tool_rejected"] = m.traj.meta.get("tool_rejected", 0) + 1
+            elif not res.ok:
+                m.traj.tool_errors += 1
+            ids = self.tokenizer.encode(render_result(res.text), add_special_tokens=False)
+            room = m.budget(self.cfg.max_response_length)
+            m.append(ids[:room], 0)
+            if len(ids) >= room:
+                m.traj.meta["result_truncated"] = len(ids) > room
+                m.finish("length")
+            else:
+                m.after_result = True
+
+    # ---- trajectories -----------------------------------------------------------------------------------------
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _new_root(self, g: GroupState, kind: str, key_prefix: str | None = None) -> LiveTrajectory:
+        traj_id = self._take_id()
+        key = traj_id if key_prefix is None else (key_prefix, traj_id)
+        traj = Trajectory(traj_id=traj_id, group=g.item.group, prompt_ids=list(g.item.prompt_ids), kind=kind)
+        m = LiveTrajectory(traj, key, self.toolbox.new_state())
+        self.backend.fork(g.prompt_key, key, len(traj.prompt_ids))
+        g.members.append(m)
+        g.fresh += kind == "fresh"
+        return m
+
+
+def check_prompts(prompts: Sequence[PromptItem], cfg: RolloutSection) -> None:
+    if not prompts:
+        raise ValueError("rollout() got no prompts")
+    groups = [p.group for p in prompts]
+    if len(set(groups)) != len(groups):
+        raise ValueError(f"PromptItem.group must be unique within a rollout call, got {groups}")
+    for p in prompts:
+        if not p.prompt_ids:
+            raise ValueError(f"prompt of group {p.group} is empty; build prompts with build_prompt_items")
+        if len(p.prompt_ids) > cfg.max_prompt_length:
+            raise ValueError(f"prompt of group {p.group} has {len(p.prompt_ids)} tokens > rl.rollout."
+                             f"max_prompt_length={cfg.max_prompt_length}; build prompts with build_prompt_items")
