@@ -3,6 +3,9 @@
 - math: exact arithmetic far past what a 135M model does in its head (big products, modular powers, digit
   sums of huge powers, prime counts); each task carries a reference python solution whose printed output is
   the answer.
+- arith (optional, `n_arith`): one product of two `arith_digits`-digit numbers, answered with one python call.
+  The smallest family a 135M policy can learn with its tool (copy the numbers into code, copy the output into
+  the answer); kind "math", id "arith-NNNN". Used by bench/bench_learning.py.
 - qa: two-hop questions about fictional people, cities and companies. The facts exist only in the generated
   corpus (FlashRAG JSONL, `{"id", "contents"}` with the title on the first line), so only search answers them.
   Each task carries its hops: the query to issue and the document that answers it.
@@ -148,6 +151,13 @@ def _math_task(rng: random.Random, index: int) -> Task:
     return Task(id=f"math-{index:04d}", kind="math", question=question, answer=str(answer), solution_code=code)
 
 
+def _arith_task(rng: random.Random, index: int, digits: int) -> Task:
+    low, high = 10 ** (digits - 1), 10**digits - 1
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    return Task(id=f"arith-{index:04d}", kind="math", question=f"What is {a} * {b}?", answer=str(a * b),
+                solution_code=f"print({a} * {b})")
+
+
 def _count_primes_below(n: int) -> int:
     sieve = bytearray([1]) * n
     sieve[:2] = b"\x00\x00"[: min(2, n)]
@@ -167,6 +177,8 @@ def generate(cfg: SyntheticSection) -> SyntheticSet:
     rng.shuffle(combos)
     tasks += [_qa_task(i, person, pattern, by_city, by_company, corpus)
               for i, (person, pattern) in enumerate(combos[: cfg.n_qa])]
+    # drawn after every other family, so n_arith = 0 leaves the other tasks byte for byte as before
+    tasks += [_arith_task(rng, i, cfg.arith_digits) for i in range(cfg.n_arith)]
     rng.shuffle(tasks)
     tasks = _dedupe(tasks)
     n_test = round(len(tasks) * cfg.test_fraction)

@@ -55,7 +55,8 @@ class LiveTrajectory:
             traj_id=traj_id, group=p.group, prompt_ids=p.prompt_ids, response_ids=p.response_ids[:fork_at],
             loss_mask=p.loss_mask[:fork_at], sample_logprobs=p.sample_logprobs[:fork_at],
             entropies=p.entropies[:fork_at], parent_id=p.traj_id, fork_at=fork_at, kind="branch",
-            tool_calls=dict(p.tool_calls), tool_errors=p.tool_errors)
+            tool_calls=dict(p.tool_calls), tool_errors=p.tool_errors,
+            meta={"inherited_tool_calls": sum(p.tool_calls.values())})
         segments = [s for s in self.segments if s[1] <= fork_at]
         return LiveTrajectory(child, key, state, n_calls=self.n_calls, h_initial=h_initial,
                               after_result=True, seg_start=fork_at, segments=segments)
@@ -103,6 +104,7 @@ def trajectory_metrics(groups: list[GroupState]) -> dict[str, float]:
     trajs = [m.traj for g in groups for m in g.members]
     finish = Counter(t.finish_reason for t in trajs)
     n = max(1, len(trajs))
+    executed = sum(sum(t.tool_calls.values()) - t.meta.get("inherited_tool_calls", 0) for t in trajs)
     row: dict[str, float] = {
         "groups": float(len(groups)), "trajectories": float(len(trajs)),
         "roots": float(sum(t.kind == "root" for t in trajs)),
@@ -110,6 +112,9 @@ def trajectory_metrics(groups: list[GroupState]) -> dict[str, float]:
         "tool_calls": float(sum(sum(t.tool_calls.values()) for t in trajs)),
         "tool_errors": float(sum(t.tool_errors for t in trajs)),
         "tool_calls_per_traj": sum(sum(t.tool_calls.values()) for t in trajs) / n,
+        # calls the tools actually ran: a branch's copied calls counted once, in its parent (ARPO's tool budget)
+        "tool_calls_executed": float(executed),
+        "tool_calls_executed_per_traj": executed / n,
         "response_tokens_per_traj": sum(len(t) for t in trajs) / n,
         "tool_rejected": float(sum(t.meta.get("tool_rejected", 0) for t in trajs)),
         "forced_eos": float(sum("forced_eos" in t.meta for t in trajs)),

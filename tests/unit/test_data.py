@@ -44,6 +44,21 @@ def test_math_needs_a_tool() -> None:
     assert all(len(t.answer) >= 3 for t in generate(SMALL).tasks if t.kind == "math")
 
 
+def test_arith_family_is_one_product_and_leaves_the_other_tasks_alone() -> None:
+    with_arith = generate(SMALL.model_copy(update={"n_arith": 10, "arith_digits": 3})).tasks
+    arith = [t for t in with_arith if t.id.startswith("arith-")]
+    assert len(arith) == 10 and all(t.kind == "math" for t in arith)
+    for task in arith:
+        a, b = (int(x) for x in task.question.removeprefix("What is ").removesuffix("?").split(" * "))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and task.answer == str(a * b)
+        assert task.solution_code == f"print({a} * {b})"
+    # drawn after the other families: the same math and qa tasks as without arith (only the shuffle differs)
+    others = {(t.id, t.question, t.answer) for t in with_arith if not t.id.startswith("arith-")}
+    assert others == {(t.id, t.question, t.answer) for t in generate(SMALL).tasks}
+    only = generate(SyntheticSection(seed=1, n_math=0, n_qa=0, n_arith=30, arith_digits=2)).tasks
+    assert len(only) == len({t.question for t in only}) and all(10 <= int(t.answer) <= 99 * 99 for t in only)
+
+
 def test_qa_answers_are_in_the_corpus_along_the_hops() -> None:
     world = generate(SMALL)
     docs = {d["id"]: d["contents"] for d in world.corpus}

@@ -154,6 +154,22 @@ def test_reference_window_forks_after_result_with_tool_state_copied():
     assert b1.loss_mask[18:26] == [0] * 8 and b1.response_ids[:26] == root.response_ids[:26]
 
 
+def test_executed_tool_calls_count_a_shared_call_once():
+    # the root searches once; both copies fork after its result and answer without a call of their own: every
+    # trajectory carries 1 call (3 / 3 = 1 per trajectory), but the toolbox ran 1 call for the group (1 / 3)
+    section = cfg(strategy="arpo", n=3, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
+                  entropy_window="reference", beam_size=3)
+    _, batch, _, box, _ = run(search_then_answer(), section)
+    assert [sum(t.tool_calls.values()) for t in batch.trajectories] == [1, 1, 1]
+    assert [t.meta.get("inherited_tool_calls", 0) for t in batch.trajectories] == [0, 1, 1]
+    assert len(box.batches) == 1 and batch.metrics["tool_calls"] == 3.0
+    assert batch.metrics["tool_calls_executed"] == 1.0
+    assert batch.metrics["tool_calls_executed_per_traj"] == pytest.approx(1 / 3)
+    # GRPO: nothing is shared, so executed = carried (2 roots x 1 call)
+    _, grpo, _, box, _ = run(search_then_answer(), cfg(n=2, initial_rollouts=2))
+    assert grpo.metrics["tool_calls_executed"] == grpo.metrics["tool_calls"] == 2.0 == len(box.batches[0])
+
+
 def test_exactly_n_and_shared_prefixes_under_random_branching():
     policy = lambda ctx, key: (SEARCH, 0.3) if ctx.count("</result>") < 2 else (ANSWER, 0.6)
     for seed in range(5):

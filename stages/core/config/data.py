@@ -14,6 +14,9 @@ class SyntheticSection(Section):
     n_math: int = Field(120, ge=0)
     n_qa: int = Field(120, ge=0)
     n_entities: int = Field(48, ge=4, description="fictional people in the generated corpus")
+    n_arith: int = Field(0, ge=0, description="products of two arith_digits-digit numbers, one python call each "
+                         "(the smallest family the tiny policy learns; bench/bench_learning.py)")
+    arith_digits: int = Field(3, ge=1, le=9, description="digits of each factor of an arith task")
     valid_fraction: float = Field(0.1, ge=0, lt=1)
     test_fraction: float = Field(0.2, ge=0, lt=1)
 

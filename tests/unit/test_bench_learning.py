@@ -1,0 +1,113 @@
+"""bench/bench_learning.py: its config overlay validates, and the statistics behind its verdicts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages.core.config import load_config
+from stages.core.env import PROJECT_ROOT
+from stages.eval.heldout import HeldoutSpec, summarize_verdicts
+
+BENCH = PROJECT_ROOT / "bench"
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _module("learning_report")
+
+
+@pytest.mark.parametrize("algo", ["grpo", "arpo", "aepo"])
+def test_learning_config_validates_for_every_algorithm(algo: str) -> None:
+    cfg = load_config("tiny-cpu", [f"rl.algorithm={algo}"], extra_file=BENCH / "learning.yaml")
+    assert cfg.rl.rollout.strategy == algo and cfg.rl.rollout.n == 8
+    assert cfg.data.synthetic.n_arith == 400 and cfg.data.synthetic.n_math == cfg.data.synthetic.n_qa == 0
+    assert cfg.agent.prompt_template == cfg.data.system_prompt == "tir_python_short"
+    # the same rollout budget whatever the algorithm
+    assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 8)
+
+
+def test_paired_gain_is_exact_when_every_question_moves_the_same_way() -> None:
+    # every question gains exactly 0.5: each bootstrap mean is 0.5, so the interval collapses to it
+    assert report.paired_gain([0.0, 0.5, 0.25], [0.5, 1.0, 0.75]) == pytest.approx((0.5, 0.5, 0.5))
+
+
+def test_paired_gain_interval_covers_the_mean_and_rejects_mismatched_questions() -> None:
+    sft = [0, 0, 1, 1, 0, 1, 0, 0]
+    rl = [1, 0, 1, 1, 1, 1, 0, 1]   # 3 questions gained, none lost: mean gain 3/8
+    mean, low, high = report.paired_gain(sft, rl, samples=4000)
+    assert mean == pytest.approx(0.375) and 0.0 <= low < mean < high <= 0.875
+    with pytest.raises(ValueError, match="same questions"):
+        report.paired_gain([1, 0], [1])
+
+
+def test_spread_and_early_late() -> None:
+    assert report.spread([0.5, 0.7, 0.6]) == pytest.approx({"mean": 0.6, "min": 0.5, "max": 0.7, "range": 0.2})
+    rows = [{"step": i, "r": float(i)} for i in range(1, 8)]   # first 3 mean 2, last 3 mean 6
+    assert report.early_late(rows, "r") == (2.0, 6.0)
+
+
+def _run(algo: str, seed: int, correct: list[float], tools: float) -> dict:
+    steps = [{"step": s, "reward/mean": 0.1 * s, "accuracy": 0.1 * s, "tools/calls_per_traj": 1.0,
+              "rollout/tool_calls_executed_per_traj": tools, "rollout/branches_per_group": 2.0 if algo != "grpo"
+              else 0.0, "entropy/mean": 0.05, "reward/groups_without_signal": 0.5, "timing/step_s": 60.0}
+             for s in range(1, 7)]
+    acc = float(np.mean(correct))
+    return {"algorithm": algo, "seed": seed, "correct_Q": correct, "steps": steps,
+            "advantage_signs": {"agreement": 1.0, "trajectories": 8.0},
+            "heldout": {"accuracy": acc, "ci_low": acc - 0.1, "ci_high": acc + 0.1, "tool_calls_per_traj": 1.0,
+                        "format_valid": 1.0}}
+
+
+def test_verdicts_say_plainly_whether_rl_beats_sft_and_compare_arpo_with_grpo() -> None:
+    sft = _run("sft", 0, [0.0] * 10 + [1.0] * 10, 1.0)
+    runs = {"grpo": [_run("grpo", s, [1.0] * 19 + [0.0], 1.0) for s in (0, 1)],          # 0.95 both seeds
+            "arpo": [_run("arpo", 0, [0.0] * 10 + [1.0] * 10, 0.5), _run("arpo", 1, [1.0] * 20, 0.5)]}
+    summaries = {algo: report.algorithm_summary(r, sft) for algo, r in runs.items()}
+    # GRPO: 9 of 10 wrong questions fixed, 1 right one lost -> gain 0.45 > seed range 0
+    assert summaries["grpo"]["gain"]["mean"] == pytest.approx(0.45)
+    lines = report.verdicts(summaries, sft)
+    assert "RL beats SFT beyond the seed-to-seed spread" in lines[0]
+    # ARPO: seed 0 unchanged (gain 0, interval touches 0), seed 1 perfect: mean 0.25 < range 0.5
+    assert "not distinguishable" in lines[1]
+    assert lines[2].startswith("sanity: advantage sign") and "grpo 100%" in lines[2]
+    assert "ARPO - GRPO held-out accuracy -0.200" in lines[3] and "within noise" in lines[3]
+    assert "ARPO 0.50 vs GRPO 1.00 (0.50x)" in lines[4]
+    table = report.table_rows(summaries, sft)
+    assert [r["policy"] for r in table] == ["SFT", "grpo (2 seeds)", "arpo (2 seeds)"]
+    assert table[1]["reward early -> late"] == "0.20 -> 0.50"          # steps 1-3 vs 4-6 of 0.1 * step
+
+
+def test_advantage_sign_agreement_flags_a_flipped_sign() -> None:
+    def row(step, group, score, adv):
+        return {"step": step, "group": group, "reward": {"score": score}, "advantage": adv}
+
+    # group (1, 0): mean 0, +1 gets a positive and -1 a negative advantage; the 0 at the mean is left out;
+    # group (1, 1) has no signal (all -1) and is skipped; group (2, 0) has its sign flipped on both members
+    rows = [row(1, 0, 1.0, 0.9), row(1, 0, -1.0, -0.9), row(1, 0, 0.0, 0.0),
+            row(1, 1, -1.0, 0.0), row(1, 1, -1.0, 0.0),
+            row(2, 0, 1.0, -0.7), row(2, 0, 0.0, 0.7)]
+    assert report.advantage_sign_agreement(rows) == {"agreement": 0.5, "trajectories": 4.0}
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    sft = _run("sft", 0, [0.0, 1.0], 1.0)
+    results = {"sft": sft, "grpo:0": _run("grpo", 0, [1.0, 1.0], 1.0), "arpo:0": _run("arpo", 0, [0.0, 1.0], 0.5)}
+    png = report.plot(results, sft, tmp_path / "learning.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_heldout_accuracy_is_the_mean_of_per_question_fractions() -> None:
+    # 3 questions x 2 samples: fractions 1, 0.5, 0 -> accuracy 0.5; every bootstrap mean lies in [0, 1]
+    out = summarize_verdicts(np.array([[1, 1], [1, 0], [0, 0]]), HeldoutSpec(bootstrap_samples=500))
+    assert out["accuracy"] == pytest.approx(0.5) and 0.0 <= out["ci_low"] < 0.5 < out["ci_high"] <= 1.0
+    same = summarize_verdicts(np.ones((4, 1)), HeldoutSpec(bootstrap_samples=500))
+    assert (same["accuracy"], same["ci_low"], same["ci_high"]) == (1.0, 1.0, 1.0)
