@@ -7,7 +7,7 @@ Task and budgets: bench/learning.yaml over the tiny-cpu profile (products of two
 <python> call; SmolLM2-135M-Instruct). The SFT policy is trained once (LLaMA-Factory, cached) and evaluated on the
 held-out test split; then every (algorithm, seed) pair trains from it with the same rollout budget (n trajectories
 per prompt, prompts per step, steps) and its final policy is evaluated on the same questions
-(stages.eval.heldout). Each pair runs in its own process (`--jobs` at a time, one torch thread each) under a
+(stages.heldout). Each pair runs in its own process (`--jobs` at a time, one torch thread each) under a
 wall-clock limit (`--run-timeout`); a run cut off there, or by a crash, continues from its last RL checkpoint the
 next time the bench runs, and a finished pair's results file (`<root>/results/<algo>-s<seed>.json`) is reused.
 
@@ -74,10 +74,10 @@ def load(args: argparse.Namespace, algo: str = "grpo"):
 
 
 def heldout_spec(args: argparse.Namespace, cfg):
-    from stages.eval.heldout import HeldoutSpec
+    from stages.core.config.eval import HeldoutSection
 
     ro = cfg.rl.rollout
-    return HeldoutSpec(max_questions=args.questions, samples=args.samples, temperature=args.temperature,
+    return HeldoutSection(max_questions=args.questions, samples=args.samples, temperature=args.temperature,
                        max_response_length=ro.max_response_length, max_prompt_length=ro.max_prompt_length,
                        call_limit=ro.call_limit, reward=cfg.rl.trainer.reward, questions_per_batch=40)
 
@@ -104,7 +104,7 @@ def worker(args: argparse.Namespace, job: str) -> None:
     from learning_report import advantage_sign_agreement
 
     from stages.core.atomic import read_jsonl, write_json
-    from stages.eval.heldout import evaluate_heldout
+    from stages.heldout import evaluate_heldout
     from stages.rl.trainer import run_rl
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Tables, verdicts and the plot of bench/bench_learning.py (pure functions over the per-run results files).
 
-Intervals: a run's held-out accuracy has a percentile bootstrap interval over questions (stages.eval.heldout);
+Intervals: a run's held-out accuracy has a percentile bootstrap interval over questions (stages.heldout);
 a run's gain over the SFT policy has a *paired* bootstrap interval (the same questions resampled for both, so
 question difficulty cancels); across seeds we show the mean and the range [min, max], and call an effect real only
 when the mean gain exceeds the seed-to-seed range of the RL accuracies and every seed's paired interval is above 0.

@@ -1,4 +1,5 @@
-"""The whole chain as one Prefect flow: bootstrap -> data -> SFT -> RL -> merge -> serve -> infer -> score -> report.
+"""The whole chain as one Prefect flow: bootstrap -> data -> SFT -> RL -> merge -> heldout -> serve -> infer -> score
+-> report.
 
 Only wiring lives here: every step is a task from tasks/ (cached, retried), the plan says which run and which are
 forced to recompute, and servers are torn down in `finally` even when a step fails.
@@ -19,6 +20,7 @@ from tasks.common import run_stage
 from tasks.data import data_task
 from tasks.eval_score import report_task
 from tasks.eval_serve import judge_serve_task, serve_task, serving_needs_task, stop_task
+from tasks.heldout import heldout_task
 from tasks.rl import merge_task, rl_task
 from tasks.run_record import record_config_task, summary_task
 from tasks.sft import dpo_task, sft_task
@@ -37,7 +39,7 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
     root, cache = cfg.run.output_root, cfg.run.cache_root
     run_dir = record_config_task(cfg, plan.describe())
     refs: dict[str, Any] = {}
-    refs["bootstrap"] = model = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, root, cache)
+    refs["bootstrap"] = base = model = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, root, cache)
     if plan.runs("data"):
         refs["data"] = data = run_stage(data_task, plan, "data", cfg.data, root)
     python = cfg.run.python_for  # per-stage interpreter (run.interpreters), None = this process
@@ -53,12 +55,18 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
     if plan.runs("merge"):
         refs["merge"] = policy = run_stage(merge_task, plan, "merge", cfg.merge, policy, root,
                                            python=python("merge"))
+    gains = {}
+    if plan.runs("heldout") and cfg.eval.stage_gains.enabled:  # what each stage bought, on one held-out split
+        policies = {"base": base, "sft": refs.get("dpo", refs.get("sft")), "rl": refs.get("merge")}
+        gains = {label: run_stage(heldout_task, plan, "heldout", cfg.eval.stage_gains, cfg.agent, ref, data, root,
+                                  cache, label=label) for label, ref in policies.items() if ref is not None}
+        refs.update({f"heldout-{label}": ref for label, ref in gains.items()})
     if plan.runs("infer") and cfg.eval.enabled:
-        refs.update(evaluate(cfg, plan, policy, data, run_dir))
+        refs.update(evaluate(cfg, plan, policy, data, run_dir, gains))
     return summary_task(run_dir, refs)
 
 
-def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str) -> dict[str, Any]:
+def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str, gains: dict[str, Any]) -> dict[str, Any]:
     """Serve the policy (and the judge), fan inference + scoring out per benchmark, report; always tear down."""
     endpoints = []
     try:
@@ -72,7 +80,8 @@ def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str) -> dict[s
         fanout = FANOUT[cfg.eval.fanout](cfg)
         out = fanout(cfg, model, data, endpoint, judge, sorted(plan.refresh), plan.runs("score"))
         if plan.runs("report"):
-            out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], cfg.run.output_root)
+            out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], cfg.run.output_root,
+                                      gains=gains)
         return out
     finally:
         for endpoint in endpoints:

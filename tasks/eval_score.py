@@ -25,9 +25,12 @@ score_task = _score.with_options(task_run_name="eval-score")
 
 
 @stage_task("eval-report", report_key)
-def report_task(cfg: EvalSection, scores: list[ScoresRef], output_root: str) -> Ref:
-    ref = build_report(cfg, scores, output_root, force=forced())
+def report_task(cfg: EvalSection, scores: list[ScoresRef], output_root: str,
+                gains: dict[str, ScoresRef] | None = None) -> Ref:
+    ref = build_report(cfg, scores, output_root, gains=gains, force=forced())
     publish_table("eval-report", ref.meta["rows"], f"Evaluation over {len(scores)} benchmarks ({ref.meta['csv']})")
+    if ref.meta["stage_gains"]:
+        publish_table("stage-gains", ref.meta["stage_gains"], "What each stage bought: held-out accuracy per policy")
     with open(ref.meta["markdown"], encoding="utf-8") as handle:
         publish_markdown("eval-report-md", handle.read(), "Evaluation report with published numbers")
     return ref

@@ -14,9 +14,9 @@ from typing import Literal
 
 from stages.core.errors import DeterministicError
 
-STAGES: tuple[str, ...] = ("bootstrap", "data", "sft", "rl", "merge", "infer", "score", "report")
+STAGES: tuple[str, ...] = ("bootstrap", "data", "sft", "rl", "merge", "heldout", "infer", "score", "report")
 GROUPS: dict[str, tuple[str, ...]] = {"eval": ("infer", "score", "report")}
-StageName = Literal["bootstrap", "data", "sft", "rl", "merge", "eval", "infer", "score", "report"]
+StageName = Literal["bootstrap", "data", "sft", "rl", "merge", "heldout", "eval", "infer", "score", "report"]
 
 
 class PlanError(ValueError, DeterministicError):

@@ -137,23 +137,54 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
     return "\n".join(lines)
 
 
-def report_key(cfg: EvalSection, scores: list[ScoresRef]) -> str:
+def report_key(cfg: EvalSection, scores: list[ScoresRef], gains: dict[str, ScoresRef] | None = None) -> str:
     """The stage's one key (its folder name and its Prefect cache key)."""
     return hash_value({"reference_setting": cfg.reference_setting, "confidence": cfg.confidence},
-                      [s.fingerprint for s in scores], hash_path(REFERENCE_FILE), code_version("stages.eval"))
+                      [s.fingerprint for s in scores], {k: v.fingerprint for k, v in (gains or {}).items()},
+                      hash_path(REFERENCE_FILE), code_version("stages.eval"))
 
 
-def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | Path, force: bool = False) -> Ref:
+def stage_gain_rows(gains: dict[str, ScoresRef]) -> list[dict[str, Any]]:
+    """One row per policy (base, sft, rl: the order given), its held-out accuracy with the interval, and the change
+    from the row before it: what that stage bought."""
+    rows, previous = [], None
+    for label, ref in gains.items():
+        m = ref.meta
+        rows.append({"policy": label, "accuracy": 100 * m["accuracy"],
+                     "ci": f"[{100 * m['ci_low']:.1f}, {100 * m['ci_high']:.1f}]",
+                     "change": None if previous is None else 100 * (m["accuracy"] - previous),
+                     "format valid": 100 * m["format_valid"], "tool calls / traj": m["tool_calls_per_traj"],
+                     "questions x samples": f"{m['questions']} x {m['samples']}"})
+        previous = m["accuracy"]
+    return rows
+
+
+def render_gains(gains: dict[str, ScoresRef], confidence: float) -> list[str]:
+    if not gains:
+        return []
+    first = next(iter(gains.values()))
+    table = pd.DataFrame(stage_gain_rows(gains)).round(2).astype(object)
+    return ["## What each stage bought (held-out split)", "",
+            f"Each policy on the same {first.benchmark} questions of this run's data stage, in process with the same "
+            f"tools (stage `heldout`; temperature {first.meta['temperature']:g}). Accuracy in percent, "
+            f"{confidence:.0%} bootstrap interval over questions; `change` = accuracy minus the row above.", "",
+            table.where(table.notna(), None).to_markdown(index=False, missingval="-"), ""]
+
+
+def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | Path,
+                 gains: dict[str, ScoresRef] | None = None, force: bool = False) -> Ref:
     """CSV + markdown over the given scores; returns a Ref to the folder, rows in `meta["rows"]`."""
     if not scores:
         raise ValueError("build_report needs at least one ScoresRef; score a benchmark first")
-    out = stage_dir(output_root, STAGE, report_key(cfg, scores), force=force)
+    out = stage_dir(output_root, STAGE, report_key(cfg, scores, gains), force=force)
     reference = load_reference_numbers()
     rows = report_rows([s.meta for s in scores], reference, cfg.reference_setting)
     if not out.complete:
         table = pd.DataFrame(rows)
         write_text(out.path / "report.csv", table.to_csv(index=False))
-        write_text(out.path / "report.md", render_markdown(table, reference, cfg.confidence))
+        markdown = render_markdown(table, reference, cfg.confidence)
+        write_text(out.path / "report.md", "\n".join([markdown, *render_gains(gains or {}, cfg.confidence)]))
         out.finish()
     return Ref(path=str(out.path), fingerprint=out.fingerprint,
-               meta={"csv": str(out.path / "report.csv"), "markdown": str(out.path / "report.md"), "rows": rows})
+               meta={"csv": str(out.path / "report.csv"), "markdown": str(out.path / "report.md"), "rows": rows,
+                     "stage_gains": stage_gain_rows(gains or {})})

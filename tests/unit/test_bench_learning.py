@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from stages.core.config import load_config
+from stages.core.config.eval import HeldoutSection
 from stages.core.env import PROJECT_ROOT
-from stages.eval.heldout import HeldoutSpec, summarize_verdicts
+from stages.heldout import summarize_verdicts
 
 BENCH = PROJECT_ROOT / "bench"
 
@@ -32,7 +33,7 @@ def test_learning_config_validates_for_every_algorithm(algo: str) -> None:
     assert cfg.data.synthetic.n_arith == 400 and cfg.data.synthetic.n_math == cfg.data.synthetic.n_qa == 0
     assert cfg.agent.prompt_template == cfg.data.system_prompt == "tir_python_short"
     # the same rollout budget whatever the algorithm
-    assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 8)
+    assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 6)
 
 
 def test_paired_gain_is_exact_when_every_question_moves_the_same_way() -> None:
@@ -107,7 +108,27 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 def test_heldout_accuracy_is_the_mean_of_per_question_fractions() -> None:
     # 3 questions x 2 samples: fractions 1, 0.5, 0 -> accuracy 0.5; every bootstrap mean lies in [0, 1]
-    out = summarize_verdicts(np.array([[1, 1], [1, 0], [0, 0]]), HeldoutSpec(bootstrap_samples=500))
+    out = summarize_verdicts(np.array([[1, 1], [1, 0], [0, 0]]), HeldoutSection(bootstrap_samples=500))
     assert out["accuracy"] == pytest.approx(0.5) and 0.0 <= out["ci_low"] < 0.5 < out["ci_high"] <= 1.0
-    same = summarize_verdicts(np.ones((4, 1)), HeldoutSpec(bootstrap_samples=500))
+    same = summarize_verdicts(np.ones((4, 1)), HeldoutSection(bootstrap_samples=500))
     assert (same["accuracy"], same["ci_low"], same["ci_high"]) == (1.0, 1.0, 1.0)
+
+
+def test_stage_gain_rows_show_each_stage_change_from_the_one_before() -> None:
+    from stages.core.refs import ScoresRef
+    from stages.eval.report import render_gains, stage_gain_rows
+
+    def ref(acc: float, low: float, high: float) -> ScoresRef:
+        return ScoresRef(path="x", fingerprint=str(acc), benchmark="eval_test",
+                         meta={"accuracy": acc, "ci_low": low, "ci_high": high, "format_valid": acc + 0.1,
+                               "tool_calls_per_traj": 1.0, "questions": 8, "samples": 1, "temperature": 0.0})
+
+    gains = {"base": ref(0.0, 0.0, 0.0), "sft": ref(0.25, 0.0, 0.5), "rl": ref(0.375, 0.125, 0.625)}
+    rows = stage_gain_rows(gains)
+    # change = accuracy minus the row above, in points: SFT 25 - 0 = 25; RL 37.5 - 25 = 12.5
+    assert [r["policy"] for r in rows] == ["base", "sft", "rl"]
+    assert [r["change"] for r in rows] == [None, 25.0, 12.5]
+    assert rows[2]["ci"] == "[12.5, 62.5]" and rows[1]["format valid"] == 35.0
+    text = "\n".join(render_gains(gains, 0.95))
+    assert "What each stage bought" in text and "| rl " in text and "12.5" in text
+    assert render_gains({}, 0.95) == []

@@ -23,6 +23,29 @@ class JudgeSection(Section):
     timeout_s: float = Field(120.0, gt=0, description="HTTP timeout per judge call")
 
 
+class HeldoutSection(Section):
+    """What each stage bought: the base, SFT and RL policies evaluated in process on one held-out split of the data
+    stage, side by side in the eval report (stage `heldout`; stages/heldout/evaluate.py, docs/eval.md)."""
+
+    enabled: bool = Field(False, description="evaluate base, SFT and RL policies on the held-out split (stage "
+                                             "`heldout`) and show them side by side in the report")
+
+    split: Literal["eval_test", "rl_valid"] = Field(
+        "eval_test", description="data stage file: eval_test (the generated test split: question/answer/kind) or "
+                                 "rl_valid (verl parquet, its own system prompt)")
+    max_questions: int | None = Field(None, ge=1, description="the first N questions of the split (None = all)")
+    samples: int = Field(1, ge=1, description="trajectories per question")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    max_response_length: int = Field(512, ge=8, description="response tokens per trajectory, tool results included")
+    max_prompt_length: int = Field(1536, ge=8)
+    call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
+    reward: str = Field("reference", description="reward registry name that decides `correct`")
+    questions_per_batch: int = Field(16, ge=1, description="questions rolled out together")
+    confidence: float = Field(0.95, gt=0, lt=1, description="bootstrap interval level")
+    bootstrap_samples: int = Field(2000, ge=100)
+    seed: int = 0
+
+
 class EvalSection(Section):
     enabled: bool = True
     benchmarks: list[str] = Field(default_factory=lambda: ["synthetic"])
@@ -55,6 +78,8 @@ class EvalSection(Section):
     bootstrap_seed: int = Field(0, description="seed of the bootstrap resampling")
     confidence: float = Field(0.95, gt=0, lt=1, description="confidence level of the bootstrap intervals")
     math_workers: int = Field(2, ge=1, description="processes that run math-verify (its timeouts need a main thread)")
+    stage_gains: HeldoutSection = Field(default_factory=HeldoutSection,
+                                        description="base vs SFT vs RL on one held-out split (stage `heldout`)")
     reference_setting: str | None = Field(
         None, description="published setting shown beside ours in the report, a key of "
                           "stages/eval/reference_numbers.yaml (e.g. arpo-qwen3-14b); None = all settings listed")

@@ -1,6 +1,6 @@
 """Held-out accuracy of one policy, in process, with the RL rollout engine and real tools: a small cached stage.
 
-    ref = evaluate_heldout(HeldoutSpec(max_questions=96), agent, policy, data, output_root, cache_root)
+    ref = evaluate_heldout(HeldoutSection(max_questions=96), agent, policy, data, output_root, cache_root)
     ref.meta["accuracy"], ref.meta["ci_low"], ref.meta["ci_high"]
 
 The questions are a held-out split of the data stage (`eval_test`: the generated test split, never seen by the
@@ -18,14 +18,13 @@ stages.rl and stages.agent): `predictions.jsonl` (one row per question with ever
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field
 
 from stages.core.atomic import read_jsonl, write_json, write_jsonl
 from stages.core.config.agent import AgentSection
-from stages.core.config.section import Section
+from stages.core.config.eval import HeldoutSection
 from stages.core.fingerprint import code_version, hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef, ScoresRef
@@ -35,26 +34,7 @@ from stages.eval.passk import bootstrap_ci
 log = get_logger(__name__)
 
 
-class HeldoutSpec(Section):
-    """What to measure a policy on. Not part of the run config (yet): the eval report passes it explicitly."""
-
-    split: Literal["eval_test", "rl_valid"] = Field(
-        "eval_test", description="data stage file: eval_test (the generated test split: question/answer/kind) or "
-                                 "rl_valid (verl parquet, its own system prompt)")
-    max_questions: int | None = Field(None, ge=1, description="the first N questions of the split (None = all)")
-    samples: int = Field(1, ge=1, description="trajectories per question")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy")
-    max_response_length: int = Field(512, ge=8, description="response tokens per trajectory, tool results included")
-    max_prompt_length: int = Field(1536, ge=8)
-    call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
-    reward: str = Field("reference", description="reward registry name that decides `correct`")
-    questions_per_batch: int = Field(16, ge=1, description="questions rolled out together")
-    confidence: float = Field(0.95, gt=0, lt=1, description="bootstrap interval level")
-    bootstrap_samples: int = Field(2000, ge=100)
-    seed: int = 0
-
-
-def heldout_rows(spec: HeldoutSpec, agent: AgentSection, data: DatasetRef) -> list[Any]:
+def heldout_rows(spec: HeldoutSection, agent: AgentSection, data: DatasetRef) -> list[Any]:
     """The split as RL rows (RLRow), in file order, the first `max_questions`."""
     from stages.data import read_rl_parquet
     from stages.sft.rollouts import task_rows
@@ -74,19 +54,23 @@ def heldout_rows(spec: HeldoutSpec, agent: AgentSection, data: DatasetRef) -> li
     return rows
 
 
-def summarize_verdicts(correct_QN: np.ndarray, spec: HeldoutSpec) -> dict[str, float]:
+def summarize_verdicts(correct_QN: np.ndarray, spec: HeldoutSection) -> dict[str, float]:
     """Accuracy (mean over questions of the per-question fraction correct) and its bootstrap interval."""
     value_Q = np.asarray(correct_QN, dtype=float).mean(axis=1)
     low, high = bootstrap_ci(value_Q, samples=spec.bootstrap_samples, confidence=spec.confidence, seed=spec.seed)
     return {"accuracy": float(value_Q.mean()), "ci_low": low, "ci_high": high}
 
 
-def evaluate_heldout(spec: HeldoutSpec, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+def heldout_key(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef) -> str:
+    """The stage's one key (its folder name and its Prefect cache key). `enabled` only switches the stage on."""
+    return hash_value(spec.model_dump(exclude={"enabled"}), agent, policy.fingerprint, data.fingerprint,
+                      code_version("stages.heldout", "stages.generation", "stages.agent", "stages.sft.rollouts"))
+
+
+def evaluate_heldout(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
                      output_root: str | Path, cache_root: str | Path, force: bool = False) -> ScoresRef:
     """Accuracy of `policy` on the held-out split with an interval (see the module doc); cached per policy."""
-    key = hash_value(spec, agent, policy.fingerprint, data.fingerprint,
-                     code_version("stages.eval.heldout", "stages.rl", "stages.agent"))
-    out = stage_dir(output_root, "heldout", key, force=force)
+    out = stage_dir(output_root, "heldout", heldout_key(spec, agent, policy, data), force=force)
     if not out.complete:
         summary = _run(spec, agent, policy, data, out.path, Path(cache_root))
         out.finish(summary=summary)
@@ -95,12 +79,12 @@ def evaluate_heldout(spec: HeldoutSpec, agent: AgentSection, policy: ModelRef | 
                      meta=summary)
 
 
-def _run(spec: HeldoutSpec, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
+def _run(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
          folder: Path, cache_root: Path) -> dict[str, Any]:
     from stages.agent.protocol import check_format
-    from stages.rl.modeling import load_policy, load_tokenizer
-    from stages.rl.rewards import compute_rewards
-    from stages.rl.session import RolloutSession
+    from stages.agent.rewards import compute_rewards
+    from stages.generation.models import load_policy, load_tokenizer
+    from stages.generation.session import RolloutSession
     from stages.sft.rollouts import sampling_section
 
     rows = heldout_rows(spec, agent, data)
@@ -142,4 +126,4 @@ def _means(records: list[dict[str, Any]]) -> dict[str, float]:
             "mean_reward": mean("reward"), "response_length": mean("length")}
 
 
-__all__ = ["HeldoutSpec", "evaluate_heldout", "heldout_rows", "summarize_verdicts"]
+__all__ = ["evaluate_heldout", "heldout_key", "heldout_rows", "summarize_verdicts"]
