@@ -139,7 +139,10 @@ def test_refreshing_eval_recomputes_only_eval(deployed: dict) -> None:
 
 def test_changing_rl_recomputes_rl_and_downstream(deployed: dict) -> None:
     _, states = run_deployment(deployed, "", "rl.optim.lr=2.0e-6")
-    assert computed(states) == {"rl", "merge"} | EVAL, states
+    # heldout-rl recomputes (a new RL policy); heldout-base and heldout-sft come from cache
+    assert computed(states) == {"rl", "merge", "heldout"} | EVAL, states
+    assert {"heldout-rl"} == {name for name, seen in states.items()
+                              if name.startswith("heldout-") and "Completed" in seen}, states
 
 
 def test_ui_shows_the_run_its_tasks_and_artifacts(deployed: dict, tmp_path: Path) -> None:
