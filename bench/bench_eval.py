@@ -29,7 +29,7 @@ configure_environment()
 
 
 def prompts_for(tokenizer, questions: list[str], n: int) -> list[str]:
-    from stages.agent.prompts import build_messages
+    from stages.agent.prompt_templates import build_messages
 
     return [tokenizer.apply_chat_template(build_messages(questions[i % len(questions)]), tokenize=False,
                                           add_generation_prompt=True) for i in range(n)]

@@ -40,8 +40,8 @@ def math_pairs(count: int) -> list[tuple[str, list[str]]]:
 
 
 def bench_math(count: int) -> dict[str, float]:
-    from stages.agent.scoring import math_equivalent
-    from stages.eval.metrics import MathVerifier
+    from stages.agent.answer_match import math_equivalent
+    from stages.eval.sample_metrics import MathVerifier
 
     pairs = math_pairs(count)
     start = time.perf_counter()

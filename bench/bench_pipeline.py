@@ -1,4 +1,5 @@
-"""Wall time of the whole tiny pipeline, cold, then a fully cached rerun, then a rerun refreshing only `eval`.
+"""Wall time of the whole tiny pipeline, cold, then a fully cached rerun, the same checking every cached byte
+(`arpo run --verify`), then a rerun refreshing only `eval`.
 
 All three in one process against one Prefect server (an ephemeral one unless PREFECT_API_URL is set), outputs and
 Prefect results in a fresh temp folder so the first run computes everything. Prints the ratios to the cold run.
@@ -28,14 +29,19 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="arpo-bench-"))
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp / "prefect-results")
     configure_environment()
-    os.environ.setdefault("PREFECT_API_URL", "")  # ephemeral unless set (else prefect.toml's project server)
+    if not os.environ.get("PREFECT_API_URL"):  # ephemeral unless set (else prefect.toml's project server)
+        from flows.server import start_ephemeral_server
+
+        start_ephemeral_server()
     from flows.pipeline import pipeline
 
     overrides = [f"run.output_root={tmp / 'outputs'}", *args.override]
     timings = {}
-    for label, refresh in (("cold", None), ("cached rerun", None), ("refresh eval", ["eval"])):
+    runs = (("cold", None, False), ("cached rerun", None, False), ("cached --verify", None, True),
+            ("refresh eval", ["eval"], False))
+    for label, refresh, verify in runs:
         start = time.perf_counter()
-        pipeline(profile=args.profile, overrides=overrides, refresh=refresh)
+        pipeline(profile=args.profile, overrides=overrides, refresh=refresh, verify=verify)
         timings[label] = time.perf_counter() - start
     cold = timings["cold"]
     print(f"\n{'run':<16}{'wall s':>10}{'vs cold':>10}")

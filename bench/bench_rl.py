@@ -1,25 +1,40 @@
-"""GRPO vs ARPO vs AEPO on the tiny model and the generated tasks: same budget, same prompts, same seed, one run.
+"""One local RL step on the CPU, before vs after the speed-ups, phase by phase, in one run.
 
-    .venv/bin/python bench/bench_rl.py [--policy base|sft] [--steps 2] [--prompts 2] [--n 4] [--initial 2]
-                                       [--max-new 96] [--call-limit 2]
+    .venv/bin/python bench/bench_rl.py [--algo arpo] [--steps 3] [--configs before,after,after-vllm]
 
-Per algorithm it trains `--steps` RL steps (rollouts with real tools -> rewards -> update) and reports, from the
-trainer's metrics: tool calls per trajectory, branches and fresh roots per group, forward tokens (prefill +
-decode) per group with KV reuse, and wall time per step (checkpoint saves excluded). Then it repeats step 1's
-rollout from the initial policy with the same seed and `rl.rollout.kv_reuse=false` (every round re-prefills the
-whole context) and reports its forward tokens per group: the KV-reuse saving. Ratios are against GRPO (time,
-tool calls) and against the no-reuse run (forward tokens), all measured in this run.
+The tiny-cpu profile's RL section as the tiny run uses it (2 prompts x n = 4, initial 2, call limit 2, 768 prompt
+and 256 response tokens, the tiny SFT policy so that the policy calls its tools; SFT cached in `--root`), trained
+`--steps` steps under each configuration, each in its own process with one torch thread, all configurations at
+the same time (on a shared box the load changes by the minute; side by side, every configuration sees the same
+load, so their ratios hold; `--sequential` runs them one after the other):
 
-`--policy sft` first runs the tiny profile's cold-start SFT (cached after the first run) so that the policy
-actually calls tools; the untuned base model rarely does, and ARPO/AEPO only branch after tool calls.
+    before      .venv       transformers rollouts (KV reuse); old log-probs recomputed (a no-grad pass);
+                            every trajectory re-reads its prompt in the update
+    after       .venv       transformers rollouts; the rollout's own log-probs (rl.trainer.old_logprobs: auto);
+                            each group's prompt once per micro-batch (rl.trainer.shared_prompt)
+    after-vllm  .venv-vllm  vLLM rollouts in process (weights reloaded in place every step); as `after`
+
+`--update-ab` measures only the part after the rollout (old log-probs + update) before vs after on one batch in
+one process, alternating, in CPU seconds (the most exact number this box gives).
+
+Printed: per configuration the mean step (checkpoint saves excluded) and its phases -- rollout, old log-probs,
+update -- in wall seconds and in process CPU seconds (all threads, vLLM's included; CPU seconds are what a phase
+costs whatever else runs on the box, wall seconds what it took while the box was shared), tokens decoded per
+step and forward calls, the load average while it ran, and every phase's ratio to `before`. The same seed and
+prompts everywhere; the two transformers configurations sample the same tokens (the update's numbers differ only
+by float rounding), the vLLM one samples its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,123 +43,210 @@ from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
 
-import torch
-
-ALGOS = {name: [f"rl.algorithm={name}"] for name in ("grpo", "arpo", "aepo")}  # aepo: its defaults come with it
-ROOT = PROJECT_ROOT / ".cache" / "bench-rl"  # own folder: other benches clean theirs
-CACHE = PROJECT_ROOT / ".cache"
-
-
-def base_overrides(args) -> list[str]:
-    return [f"rl.rollout.n={args.n}", f"rl.rollout.initial_rollouts={args.initial}",
-            f"rl.trainer.train_batch_size={args.prompts}", f"rl.trainer.ppo_mini_batch_size={args.prompts}",
-            f"rl.trainer.micro_batch_size={args.n}", f"rl.rollout.max_response_length={args.max_new}",
-            f"rl.rollout.call_limit={args.call_limit}", f"rl.trainer.total_steps={args.steps}",
-            f"rl.trainer.save_every={args.steps}", "rl.trainer.dump_rollouts=false"]
+CONFIGS = {
+    "before": (".venv", ["rl.rollout.backend=transformers", "rl.trainer.old_logprobs=recompute",
+                         "rl.trainer.shared_prompt=false"]),
+    "after": (".venv", ["rl.rollout.backend=transformers", "rl.trainer.old_logprobs=auto",
+                        "rl.trainer.shared_prompt=true"]),
+    "after-vllm": (".venv-vllm", ["rl.rollout.backend=vllm", "rl.trainer.old_logprobs=auto",
+                                  "rl.trainer.shared_prompt=true"]),
+}
+PHASES = ("rollout", "old_logprob", "update")
 
 
-def policy_and_data(args):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algo", default="arpo", choices=["grpo", "arpo", "aepo"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--sequential", action="store_true", help="one configuration after the other")
+    parser.add_argument("--update-ab", action="store_true",
+                        help="only old log-probs + update, before vs after on one batch in this process (CPU s)")
+    parser.add_argument("--root", default=str(PROJECT_ROOT / "bench" / "results" / "rl-step"))
+    parser.add_argument("-o", "--override", action="append", default=[], help="config override for every run")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace, name: str) -> list[str]:
+    return [f"rl.algorithm={args.algo}", f"rl.trainer.total_steps={args.steps}", f"rl.trainer.save_every={args.steps}",
+            *CONFIGS[name][1], *args.override]
+
+
+def policy_and_data(args: argparse.Namespace, cfg):
     from stages.bootstrap import bootstrap_model
-    from stages.core.config import load_config
     from stages.data import prepare_data
+    from stages.sft import run_sft
 
-    cfg = load_config("tiny-cpu")
-    model = bootstrap_model(cfg.model, ROOT, CACHE)
-    data = prepare_data(cfg.data, ROOT)
-    if args.policy_path:
-        from stages.core.fingerprint import hash_path
-        from stages.core.refs import ModelRef
-
-        folder = Path(args.policy_path).resolve()
-        return ModelRef(path=str(folder), fingerprint=hash_path(folder / "config.json"), name=folder.name,
-                        template=model.template), data
-    if args.policy == "sft":
-        from stages.sft import run_sft
-
-        return run_sft(cfg.sft, cfg.agent, model, data, str(ROOT), str(CACHE)), data
-    return model, data
+    model = bootstrap_model(cfg.model, args.root, PROJECT_ROOT / ".cache")
+    data = prepare_data(cfg.data, args.root)
+    return run_sft(cfg.sft, cfg.agent, model, data, str(args.root), str(PROJECT_ROOT / ".cache")), data
 
 
-def train(cfg, policy, data, workdir: Path) -> list[dict]:
-    from stages.core.atomic import read_jsonl
+def worker(args: argparse.Namespace, name: str) -> None:
+    """Train `--steps` steps under configuration `name`; its metrics rows go to <root>/runs/<name>.json."""
+    import torch
+
+    from stages.core.atomic import read_jsonl, write_json
+    from stages.core.config import load_config
     from stages.rl.trainer import RLTrainer
 
-    RLTrainer(cfg.rl, cfg.agent, policy, data, workdir, CACHE, seed=0).train()
-    return read_jsonl(workdir / "metrics.jsonl")
+    torch.set_num_threads(1)
+    cfg = load_config("tiny-cpu", overrides(args, name))
+    policy, data = policy_and_data(args, cfg)
+    work = Path(args.root) / "runs" / name
+    shutil.rmtree(work, ignore_errors=True)
+    start = time.perf_counter()
+    RLTrainer(cfg.rl, cfg.agent, policy, data, work, PROJECT_ROOT / ".cache", seed=0).train()
+    rows = read_jsonl(work / "metrics.jsonl")
+    write_json(Path(args.root) / "runs" / f"{name}.json", {"rows": rows, "total_s": time.perf_counter() - start})
 
 
-def no_reuse_forward_tokens(cfg, policy, data) -> tuple[float, float]:
-    """Step 1's rollout again, from the initial policy, same prompts and seed, KV reuse off."""
+def start(args: argparse.Namespace, name: str) -> subprocess.Popen:
+    venv, _ = CONFIGS[name]
+    python = PROJECT_ROOT / venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"{python} is missing: build it (scripts/setup.sh, scripts/setup-vllm.sh) or leave "
+                         f"{name} out of --configs")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    log = Path(args.root) / "runs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
+    with open(log, "w") as handle:
+        return subprocess.Popen([str(python), __file__, *sys.argv[1:], "--worker", name], stdout=handle,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def run_all(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    """The configurations side by side (or one after the other with --sequential); the load average while each ran."""
+    batches = [[name] for name in names] if args.sequential else [names]
+    results = {}
+    for batch in batches:
+        procs, loads = {name: start(args, name) for name in batch}, []
+        while any(p.poll() is None for p in procs.values()):
+            loads.append(os.getloadavg()[0])
+            time.sleep(5)
+        for name, proc in procs.items():
+            if proc.returncode:
+                raise SystemExit(f"{name} failed (exit {proc.returncode}); see {args.root}/runs/{name}.log")
+            out = json.loads((Path(args.root) / "runs" / f"{name}.json").read_text())
+            results[name] = summarize(out["rows"], out["total_s"], statistics.fmean(loads) if loads else 0.0)
+    return results
+
+
+def summarize(rows: list[dict], total_s: float, load: float) -> dict:
+    """Means over the steps of one configuration (checkpoint saves excluded from the step)."""
+    def mean(key: str) -> float:
+        return statistics.fmean(float(r.get(key, 0.0)) for r in rows)
+
+    out = {"steps": len(rows), "load": load, "startup_s": total_s - sum(r["timing/step_s"] for r in rows),
+           "step_s": statistics.fmean(r["timing/step_s"] - r["timing/checkpoint_s"] for r in rows),
+           "step_cpu_s": mean("timing/step_cpu_s"), "decode": mean("rollout/decode_tokens"),
+           "calls": mean("rollout/forward_calls"), "length": mean("response/length"),
+           "tools": mean("tools/calls_per_traj"), "branches": mean("rollout/branches_per_group"),
+           "mismatch": mean("rollout/logp_mismatch")}
+    for phase in PHASES:
+        out[f"{phase}_s"], out[f"{phase}_cpu_s"] = mean(f"timing/{phase}_s"), mean(f"timing/{phase}_cpu_s")
+    return out
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> None:
+    print(f"\n{args.algo}, tiny-cpu RL section, {args.steps} steps per configuration, one torch thread each, "
+          f"{'one after the other' if args.sequential else 'side by side'}")
+    head = ["config", "step s", "rollout s", "old-logp s", "update s", "step CPU s", "rollout CPU", "old-logp CPU",
+            "update CPU", "decoded/step", "fwd calls", "resp len", "logp mismatch", "startup s", "load"]
+    print(" | ".join(head))
+    for name, r in results.items():
+        print(" | ".join([name, *(f"{r[k]:.1f}" for k in ("step_s", "rollout_s", "old_logprob_s", "update_s",
+                                                           "step_cpu_s", "rollout_cpu_s", "old_logprob_cpu_s",
+                                                           "update_cpu_s", "decode", "calls", "length")),
+                          f"{r['mismatch']:.1e}", f"{r['startup_s']:.0f}", f"{r['load']:.1f}"]))
+    base = results.get("before")
+    if base is None:
+        return
+    for name, r in results.items():
+        if name == "before":
+            continue
+        parts = [f"{k} {r[k] / base[k]:.2f}x" for k in ("step_s", "step_cpu_s", "rollout_s", "rollout_cpu_s",
+                                                         "update_s", "update_cpu_s") if base[k]]
+        print(f"{name} / before: " + ", ".join(parts) + f"; old log-probs {r['old_logprob_s']:.1f} s vs "
+              f"{base['old_logprob_s']:.1f} s")
+        goal = r["step_s"] / base["step_s"]
+        print(f"  goal (step <= 0.5x): {'met' if goal <= 0.5 else 'not met'} in wall time ({goal:.2f}x), "
+              f"{r['step_cpu_s'] / base['step_cpu_s']:.2f}x in CPU time")
+
+
+def update_ab(args: argparse.Namespace, repeats: int = 3) -> None:
+    """The step after the rollout -- old log-probs + update -- before vs after, on the same batch in one process,
+    alternating (before, after) `repeats` times from the same weights: CPU seconds, free of the box's drift.
+    The batch: the tiny profile's first 2 RL prompts x n = 4, responses of the lengths a tiny ARPO step samples
+    (100-250 tokens, mean ~175, a 40-token tool result with loss mask 0 in each), random token ids."""
+    import copy
+    import random
+
+    import torch
+
+    from stages.core.config import load_config
     from stages.data import read_rl_parquet
     from stages.generation.models import load_policy, load_tokenizer
-    from stages.generation.session import RolloutSession
-    from stages.rl.rollout import RolloutEngine
-    from stages.rl.trainer import epoch_order, rollout_seed
+    from stages.generation.prompt_items import build_prompt_items
+    from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
+    from stages.rl.trainer import make_optimizer
+    from stages.rl.update import build_step_tensors, ppo_update
 
-    rl = cfg.rl.model_copy(update={"rollout": cfg.rl.rollout.model_copy(update={"kv_reuse": False})})
-    rows = read_rl_parquet(data.file("rl_train"))
-    order = epoch_order(len(rows), 0, 0)[: rl.trainer.train_batch_size]
-    session = RolloutSession(rl.rollout, cfg.agent, load_policy(policy), load_tokenizer(policy), data, CACHE,
-                             engine=RolloutEngine)
-    try:
-        batch = session.rollout([rows[i] for i in order], seed=rollout_seed(0, 0))
-    finally:
-        session.close()
-    return batch.metrics["forward_tokens_per_group"], batch.metrics["response_tokens_per_traj"]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", choices=["base", "sft"], default="base")
-    parser.add_argument("--policy-path", help="an HF folder to start from instead (e.g. an SFT output)")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--initial", type=int, default=2)
-    parser.add_argument("--max-new", type=int, default=96)
-    parser.add_argument("--call-limit", type=int, default=2)
-    parser.add_argument("--algos", default="grpo,arpo,aepo")
-    args = parser.parse_args()
     torch.set_num_threads(1)
+    cfgs = {name: load_config("tiny-cpu", overrides(args, name)).rl for name in ("before", "after")}
+    policy, data = policy_and_data(args, load_config("tiny-cpu", overrides(args, "before")))
+    tokenizer, model = load_tokenizer(policy), load_policy(policy)
+    items = build_prompt_items(read_rl_parquet(data.file("rl_train"))[:2], tokenizer, 768)
+    rng = random.Random(0)
+    groups = []
+    for item in items:
+        trajs = []
+        for i in range(4):
+            n = rng.randrange(100, 250)
+            mask = [1] * 40 + [0] * 40 + [1] * (n - 80)
+            trajs.append(Trajectory(traj_id=i, group=item.group, prompt_ids=item.prompt_ids, loss_mask=mask,
+                                    response_ids=[rng.randrange(100, 40000) for _ in range(n)],
+                                    sample_logprobs=[-2.0] * n))
+        groups.append(RolloutGroup(item.group, item.question, item.ground_truth, item.ability, trajs, 2))
+    batch, rewards = RolloutBatch(groups), [1.0, 0.0, -1.0, 0.5, 0.0, 1.0, -1.0, 0.0]
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    for _ in range(repeats):
+        for name, rl in cfgs.items():
+            work = copy.deepcopy(model)
+            optimizer = make_optimizer(work, rl)
+            cpu = time.process_time()
+            tensors = build_step_tensors(rl, work, None, batch, rewards, tokenizer.pad_token_id, torch.device("cpu"))
+            ppo_update(rl, work, optimizer, tensors, rl.rollout.n, torch.device("cpu"))
+            times[name].append(time.process_time() - cpu)
+    before, after = (statistics.median(times[k]) for k in ("before", "after"))
+    prompt = statistics.fmean(len(i.prompt_ids) for i in items)
+    print(f"\nold log-probs + update on one batch (8 trajectories, prompts {prompt:.0f} tokens, responses mean "
+          f"{statistics.fmean(len(t) for t in batch.trajectories):.0f}), median of {repeats} alternating runs, "
+          f"CPU s: before {before:.1f}, after {after:.1f} ({after / before:.2f}x); all runs {times}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.root = str(Path(args.root).resolve())
+    if args.worker:
+        worker(args, args.worker)
+        return
+    if args.update_ab:
+        update_ab(args)
+        return
     from stages.core.config import load_config
 
-    policy, data = policy_and_data(args)
-    results = {}
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        for algo in args.algos.split(","):
-            cfg = load_config("tiny-cpu", overrides=base_overrides(args) + ALGOS[algo])
-            rows = train(cfg, policy, data, Path(tmp) / algo)
-            no_kv, no_kv_len = no_reuse_forward_tokens(cfg, policy, data)
-            results[algo] = {
-                "tools": statistics.mean(r["tools/calls_per_traj"] for r in rows),
-                "branches": statistics.mean(r["rollout/branches_per_group"] for r in rows),
-                "fresh": statistics.mean(r["rollout/fresh_per_group"] for r in rows),
-                "length": statistics.mean(r["response/length"] for r in rows),
-                "fwd_kv": rows[0]["rollout/forward_tokens_per_group"], "len_kv": rows[0]["response/length"],
-                "fwd_nokv": no_kv, "len_nokv": no_kv_len,
-                "step_s": statistics.mean(r["timing/step_s"] - r["timing/checkpoint_s"] for r in rows),
-                "rollout_s": statistics.mean(r["timing/rollout_s"] for r in rows),
-            }
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {list(CONFIGS)}")
+    policy_and_data(args, load_config("tiny-cpu", overrides(args, names[0])))  # SFT once, in this environment
+    results = run_all(args, names)
+    (Path(args.root) / "summary.json").write_text(json.dumps(results, indent=1))
     report(results, args)
-
-
-def report(results: dict[str, dict], args) -> None:
-    print(f"\npolicy={args.policy_path or args.policy}, {args.prompts} prompts x n={args.n} (initial {args.initial}), "
-          f"{args.max_new} response tokens, call limit {args.call_limit}, {args.steps} steps each")
-    head = (f"{'algo':>5} {'tools/traj':>10} {'branch/grp':>10} {'fresh/grp':>9} {'resp len':>8} "
-            f"{'fwd/grp KV':>10} {'fwd/grp noKV':>12} {'KV saving':>9} {'step s':>7} {'rollout s':>9}")
-    print(head)
-    for algo, r in results.items():
-        print(f"{algo:>5} {r['tools']:10.2f} {r['branches']:10.2f} {r['fresh']:9.2f} {r['length']:8.1f} "
-              f"{r['fwd_kv']:10.0f} {r['fwd_nokv']:12.0f} {r['fwd_nokv'] / r['fwd_kv']:8.2f}x "
-              f"{r['step_s']:7.1f} {r['rollout_s']:9.1f}")
-    if "grpo" in results:
-        g = results["grpo"]
-        for algo, r in results.items():
-            if algo != "grpo":
-                tools = f"{r['tools'] / g['tools']:.2f}x" if g["tools"] else "n/a (GRPO made no call)"
-                print(f"{algo} / grpo: step time {r['step_s'] / g['step_s']:.2f}x, tool calls per trajectory "
-                      f"{tools}, forward tokens per group (KV) {r['fwd_kv'] / g['fwd_kv']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def load(args):
     from stages.bootstrap import bootstrap_model
     from stages.core.config import load_config
     from stages.data import prepare_data, read_rl_parquet
-    from stages.generation.prompts import PromptItem, build_prompt_items
+    from stages.generation.prompt_items import PromptItem, build_prompt_items
 
     torch.set_num_threads(args.threads)
     config = load_config("tiny-cpu")
@@ -55,10 +55,10 @@ def load(args):
 
 def run_once(model, tok, box, prompts, section, reuse: bool) -> tuple[float, dict]:
     from stages.generation import load_backend
-    from stages.rl.rollout import RolloutEngine
+    from stages.rl.rollout import TreeRollout
 
     backend = load_backend("transformers", model, tok, kv_reuse=reuse)
-    engine = RolloutEngine(backend, box, tok, section, seed=0, show_progress=False)
+    engine = TreeRollout(backend, box, tok, section, seed=0, show_progress=False)
     start = time.perf_counter()
     batch = engine.rollout(prompts)
     return time.perf_counter() - start, batch.metrics

@@ -1,6 +1,6 @@
 """Does cold-start SFT teach the TIR format? Base model vs SFT checkpoint on held-out generated questions.
 
-Both models answer the same test-split questions of the generated task set with the RL rollout engine (greedy,
+Both models answer the same test-split questions of the generated task set with the RL tree rollout (greedy,
 real tools, results inserted exactly as in RL). Printed per model: format-valid rate (check_format), tool-call
 rate (>= 1 complete call), answer accuracy (the reference reward's exact match), mean reference reward, and the
 SFT / base ratio measured in this run (the difference for the reward, which can be negative).

@@ -121,7 +121,7 @@ def cached_toolbox_times(agent_cfg, code: str, repeats: int) -> list[float]:
 
 
 def bench_python(repeats: int, callers: int, calls: int) -> None:
-    from stages.agent.sandbox import PythonSandbox
+    from stages.agent.sandbox.executor import PythonSandbox
     from stages.core.config.agent import AgentSection, PythonToolSection
 
     print(f"python tool ({repeats} calls alone, {calls} calls by {callers} concurrent callers; "

@@ -1,14 +1,25 @@
-"""Step time of our RL trainer vs TRL's GRPOTrainer (trl 0.24.0), one run, same model / prompts / lengths.
+"""Step time of our RL trainer vs TRL's GRPOTrainer, one run, same model / prompts / lengths.
 
-    .venv/bin/python bench/bench_trl.py [--steps 3] [--prompts 2] [--group 4] [--max-new 32]
+    .venv-trl/bin/python bench/bench_trl.py [--steps 4] [--prompts 2] [--group 4] [--max-new 32]
 
-Both train SmolLM2-135M-Instruct (the tiny profile's model) with plain GRPO, no tools (our engine's call limit is
-0), on the same synthetic questions, group size, completion budget, lr, one PPO epoch, no KL / reference model,
-one optimizer step per RL step, fp32 on CPU, one thread, and the same batch reward function (the fraction of
-vowels among the completion's letters: it varies between samples, so both produce real gradients). TRL
-generates with `model.generate` and skips the old-log-prob pass when num_iterations = 1; our trainer always
-recomputes old log-probs (DESIGN.md) and samples through the KV-cached rollout engine. Our checkpoint save is
-excluded from the step time (TRL saves nothing here). The first step of each is a warm-up and not counted.
+TRL: the newest release that installs beside the project's pins. LLaMA-Factory 0.9.5 caps the main environment at
+trl 0.24.0; trl 1.x needs datasets >= 4.7 (we pin 4.0.0 for LLaMA-Factory); trl 0.29.1 is the newest whose
+requirements (transformers >= 4.56.2, datasets >= 3, accelerate >= 1.4) our pins meet. It goes into a scratch
+environment that sees the main one's packages and adds only trl:
+
+    /path/to/python3.11 -m venv .venv-trl
+    echo "$PWD/.venv/lib/python3.11/site-packages" > .venv-trl/lib/python3.11/site-packages/main-venv.pth
+    .venv-trl/bin/pip install --no-deps trl==0.29.1
+
+(Under `.venv/bin/python` the bench runs trl 0.24.0 with two shims, as before.) Both train SmolLM2-135M-Instruct
+(the tiny profile's model) with plain GRPO, no tools (our engine's call limit is 0), on the same synthetic
+questions, group size, completion budget, lr, one PPO epoch, no KL / reference model, token-mean loss (TRL's
+`dapo`), one optimizer step per RL step, fp32 on CPU, one thread, and the same batch reward function (the
+fraction of vowels among the completion's letters: it varies between samples, so both produce real gradients).
+TRL generates with `model.generate` and skips the old-log-prob pass when num_iterations = 1; so does our trainer
+(`rl.trainer.old_logprobs: auto`), which samples through the KV-cached tree rollout and runs each group's prompt
+once in the update. Our checkpoint save is excluded from the step time (TRL saves nothing here). The first step of
+each is a warm-up and not counted.
 """
 
 from __future__ import annotations
@@ -70,7 +81,7 @@ def run_ours(cfg, model, data, workdir: Path) -> list[dict]:
 
 
 def trl_compat() -> None:
-    """trl 0.24 expects transformers 4's `_is_package_available` (a bool); transformers 5 returns (bool, version),
+    """trl 0.24 (not 0.29) expects transformers 4's `_is_package_available` (a bool); transformers 5 returns (bool, version),
     a tuple that is always truthy, so trl believes mergekit/deepspeed/... are installed and fails importing them.
     Reduce the flags to their bool before trl's trainers are imported."""
     import trl.import_utils as flags
@@ -107,13 +118,18 @@ def run_trl(cfg, model, data, args, workdir: Path) -> list[dict]:
     def reward(completions, **kw):
         return [vowel_fraction(c[0]["content"] if isinstance(c, list) else c) for c in completions]
 
+    import inspect
+
+    accepted = inspect.signature(GRPOConfig.__init__).parameters
+    optional = {"max_prompt_length": cfg.rl.rollout.max_prompt_length,  # gone in trl 0.29
+                "loss_type": "dapo"}                                     # token mean, as ours (trl >= 0.20)
     config = GRPOConfig(output_dir=str(workdir / "trl"), per_device_train_batch_size=args.prompts * args.group,
                         num_generations=args.group, max_completion_length=args.max_new,
-                        max_prompt_length=cfg.rl.rollout.max_prompt_length, learning_rate=args.lr, beta=0.0,
-                        num_iterations=1, gradient_accumulation_steps=1, max_steps=args.steps, logging_steps=1,
-                        save_strategy="no", report_to=[], use_cpu=True, bf16=False, temperature=1.0,
-                        shuffle_dataset=False, seed=0, lr_scheduler_type="constant", weight_decay=0.01,
-                        max_grad_norm=1.0, disable_tqdm=True)
+                        learning_rate=args.lr, beta=0.0, num_iterations=1, gradient_accumulation_steps=1,
+                        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                        bf16=False, temperature=1.0, shuffle_dataset=False, seed=0, lr_scheduler_type="constant",
+                        weight_decay=0.01, max_grad_norm=1.0, disable_tqdm=True,
+                        **{k: v for k, v in optional.items() if k in accepted})
     tokenizer = AutoTokenizer.from_pretrained(model.path, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32, attn_implementation="sdpa")
     policy.warnings_issued = {}  # trl 0.24 writes into this transformers-4 attribute
@@ -149,6 +165,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=PROJECT_ROOT / ".cache") as tmp:
         trl = summary("TRL", run_trl(cfg, model, data, args, Path(tmp)))
         ours = summary("ours", run_ours(cfg, model, data, Path(tmp)))
+    import trl
+
+    print(f"TRL {trl.__version__}, transformers {__import__('transformers').__version__}, torch {torch.__version__}")
     print(f"ratio ours/TRL: step time {ours['step'] / trl['step']:.2f}x, time per completion token "
           f"{(ours['step'] / ours['tokens']) / (trl['step'] / trl['tokens']):.2f}x "
           f"(P={args.prompts} prompts x G={args.group}, {args.max_new} new tokens max, {args.steps} steps)")

@@ -2,8 +2,10 @@
 
 Intervals: a run's held-out accuracy has a percentile bootstrap interval over questions (stages.heldout);
 a run's gain over the SFT policy has a *paired* bootstrap interval (the same questions resampled for both, so
-question difficulty cancels); across seeds we show the mean and the range [min, max], and call an effect real only
-when the mean gain exceeds the seed-to-seed range of the RL accuracies and every seed's paired interval is above 0.
+question difficulty cancels). Two algorithms are compared with a *two-level* bootstrap: each draw resamples the
+questions (shared by both, paired) and, independently per algorithm, its seeds; the difference of the mean
+accuracies over the drawn questions and seeds gives the interval, which therefore holds both the question-to-
+question and the seed-to-seed variation. A difference is called only when that 95% interval excludes 0.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 import numpy as np
 
 EARLY_LATE = 3  # steps averaged for "early" (first) and "late" (last) training values
+COLLAPSE_ALARMS = ("reward_at_floor", "reward_collapse", "entropy_collapse", "tool_collapse", "nonfinite_loss")
+ABOUT_HALF = (0.35, 0.65)  # the tool-call ratio range read as the paper's "about half"
 
 
 def paired_gain(sft_Q: list[float], rl_Q: list[float], samples: int = 2000, seed: int = 0,
@@ -28,6 +32,25 @@ def paired_gain(sft_Q: list[float], rl_Q: list[float], samples: int = 2000, seed
     tail = (1 - confidence) / 2
     low, high = np.quantile(diff[index].mean(axis=1), [tail, 1 - tail])
     return float(diff.mean()), float(low), float(high)
+
+
+def two_level_diff(a_QS: np.ndarray, b_QS: np.ndarray, samples: int = 4000, seed: int = 0,
+                   confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean of a - b, low, high) for per-question accuracies [Q, seeds] of two algorithms on the same questions:
+    every draw resamples the questions (the same ones for both) and each algorithm's seeds."""
+    a, b = np.asarray(a_QS, dtype=float), np.asarray(b_QS, dtype=float)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0] or a.shape[0] == 0:
+        raise ValueError(f"two_level_diff needs [questions, seeds] arrays over the same questions, got {a.shape} and "
+                         f"{b.shape}")
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, a.shape[0], size=(samples, a.shape[0]))
+    sa = rng.integers(0, a.shape[1], size=(samples, a.shape[1]))
+    sb = rng.integers(0, b.shape[1], size=(samples, b.shape[1]))
+    means_a = np.array([a[q[i]][:, sa[i]].mean() for i in range(samples)])
+    means_b = np.array([b[q[i]][:, sb[i]].mean() for i in range(samples)])
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means_a - means_b, [tail, 1 - tail])
+    return float(a.mean() - b.mean()), float(low), float(high)
 
 
 def advantage_sign_agreement(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -67,6 +90,21 @@ def run_mean(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def collapse(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The first collapse alarm of a run ({name, step, message}), or None: reward at its floor or fallen from its
+    best, entropy or tool use collapsed, a non-finite loss (stages/rl/alarms.py)."""
+    hits = [a for a in run.get("alarms", []) if a["name"] in COLLAPSE_ALARMS]
+    return min(hits, key=lambda a: a["step"]) if hits else None
+
+
+def alarm_counts(run: dict[str, Any]) -> dict[str, int]:
+    """Steps on which each alarm fired."""
+    counts: dict[str, int] = {}
+    for a in run.get("alarms", []):
+        counts[a["name"]] = counts.get(a["name"], 0) + 1
+    return counts
+
+
 def algorithm_summary(runs: list[dict[str, Any]], sft: dict[str, Any]) -> dict[str, Any]:
     """One algorithm's seeds -> held-out accuracy spread, paired gains, training statistics (means over seeds)."""
     gains = [paired_gain(sft["correct_Q"], r["correct_Q"], seed=r["seed"] or 0) for r in runs]
@@ -77,19 +115,50 @@ def algorithm_summary(runs: list[dict[str, Any]], sft: dict[str, Any]) -> dict[s
         "heldout_tools": spread([r["heldout"]["tool_calls_per_traj"] for r in runs]),
         "heldout_format": spread([r["heldout"]["format_valid"] for r in runs]),
         "advantage_sign": spread([r.get("advantage_signs", {}).get("agreement", float("nan")) for r in runs]),
+        "alarms": [alarm_counts(r) for r in runs],
+        "collapsed": [(r["seed"], c) for r in runs if (c := collapse(r)) is not None],
     }
-    for key in ("reward/mean", "accuracy"):
+    for key in ("reward/mean", "accuracy", "reward/format_error_rate"):
         pairs = [early_late(r["steps"], key) for r in runs]
         out[f"{key}:early"] = spread([p[0] for p in pairs])
         out[f"{key}:late"] = spread([p[1] for p in pairs])
     for key in ("tools/calls_per_traj", "rollout/tool_calls_executed_per_traj", "rollout/branches_per_group",
-                "entropy/mean", "reward/groups_without_signal", "timing/step_s"):
+                "entropy/mean", "reward/groups_without_signal", "reward/format_error_rate", "timing/step_s",
+                "finish/length"):
         out[key] = spread([run_mean(r["steps"], key) for r in runs])
     return out
 
 
-def verdicts(summaries: dict[str, dict[str, Any]], sft: dict[str, Any]) -> list[str]:
-    """Plain sentences: which algorithms beat SFT beyond the seed spread; ARPO vs GRPO on accuracy and tools."""
+def per_question(runs: list[dict[str, Any]]) -> np.ndarray:
+    """[questions, seeds] held-out accuracies of one algorithm (checked to be the same questions)."""
+    questions = runs[0]["questions"]
+    for r in runs:
+        if r["questions"] != questions:
+            raise ValueError(f"{r['algorithm']} seed {r['seed']} was evaluated on other questions than seed "
+                             f"{runs[0]['seed']}; rerun its held-out evaluation")
+    return np.array([r["correct_Q"] for r in runs], dtype=float).T
+
+
+def compare(by_algo: dict[str, list[dict[str, Any]]], algo: str, base: str = "grpo") -> dict[str, Any] | None:
+    """`algo` vs `base`: held-out accuracy difference with its two-level interval, tool-call ratios."""
+    if algo not in by_algo or base not in by_algo:
+        return None
+    a, b = by_algo[algo], by_algo[base]
+    diff, low, high = two_level_diff(per_question(a), per_question(b))
+    out: dict[str, Any] = {"diff": diff, "low": low, "high": high}
+    for key, name in (("rollout/tool_calls_executed_per_traj", "train_exec"), ("tools/calls_per_traj", "train")):
+        num, den = statistics.fmean(run_mean(r["steps"], key) for r in a), \
+            statistics.fmean(run_mean(r["steps"], key) for r in b)
+        out[name] = (num, den, num / den if den else float("nan"))
+    num = statistics.fmean(r["heldout"]["tool_calls_per_traj"] for r in a)
+    den = statistics.fmean(r["heldout"]["tool_calls_per_traj"] for r in b)
+    out["eval"] = (num, den, num / den if den else float("nan"))
+    return out
+
+
+def verdicts(summaries: dict[str, dict[str, Any]], sft: dict[str, Any],
+             by_algo: dict[str, list[dict[str, Any]]] | None = None) -> list[str]:
+    """Plain sentences: RL vs SFT per algorithm; the papers' two claims (accuracy, tool calls); collapses."""
     lines = []
     base = sft["heldout"]["accuracy"]
     for algo, s in summaries.items():
@@ -104,18 +173,25 @@ def verdicts(summaries: dict[str, dict[str, Any]], sft: dict[str, Any]) -> list[
     lines.append("sanity: advantage sign = sign(reward - group mean) for "
                  + ", ".join(f"{algo} {value:.0%}" for algo, value in signs.items())
                  + " of the trajectories in groups with a reward signal (lowest seed)")
-    if "arpo" in summaries and "grpo" in summaries:
-        a, g = summaries["arpo"], summaries["grpo"]
-        diff = a["accuracy"]["mean"] - g["accuracy"]["mean"]
-        noise = max(a["accuracy"]["range"], g["accuracy"]["range"])
-        lines.append(f"ARPO - GRPO held-out accuracy {diff:+.3f} (largest seed range {noise:.3f}): "
-                     + ("within noise" if abs(diff) <= noise else ("ARPO higher" if diff > 0 else "GRPO higher")))
-        key = "rollout/tool_calls_executed_per_traj"
-        ratio = a[key]["mean"] / g[key]["mean"] if g[key]["mean"] else float("nan")
-        lines.append(f"tool calls executed per trajectory in training: ARPO {a[key]['mean']:.2f} vs GRPO "
-                     f"{g[key]['mean']:.2f} ({ratio:.2f}x); carried per trajectory {a['tools/calls_per_traj']['mean']:.2f}"
-                     f" vs {g['tools/calls_per_traj']['mean']:.2f}; at evaluation ARPO {a['heldout_tools']['mean']:.2f} "
-                     f"vs GRPO {g['heldout_tools']['mean']:.2f}")
+    for algo in ("arpo", "aepo"):
+        c = compare(by_algo or {}, algo)
+        if c is None:
+            continue
+        name = algo.upper()
+        verdict = ("not distinguishable at this scale" if c["low"] <= 0 <= c["high"]
+                   else f"{name} higher" if c["diff"] > 0 else "GRPO higher")
+        lines.append(f"claim 1 ({name} more accurate than GRPO): held-out accuracy {name} - GRPO {c['diff']:+.3f}, "
+                     f"95% interval over questions and seeds [{c['low']:+.3f}, {c['high']:+.3f}] -> {verdict}")
+        (ta, tg, tr), (ea, eg, er) = c["train_exec"], c["eval"]
+        half = ABOUT_HALF[0] <= tr <= ABOUT_HALF[1]
+        lines.append(f"claim 2 ({name} needs about half the tool calls): executed per trajectory in training {name} "
+                     f"{ta:.2f} vs GRPO {tg:.2f} ({tr:.2f}x; carried, branches' copies included, "
+                     f"{c['train'][2]:.2f}x); at evaluation, without branching, {ea:.2f} vs {eg:.2f} ({er:.2f}x) -> "
+                     + ("about half in training" if half else f"not about half ({tr:.2f}x) in training"))
+    for algo, s in summaries.items():
+        for seed, alarm in s["collapsed"]:
+            lines.append(f"collapse: {algo} seed {seed} -- alarm {alarm['name']} at step {alarm['step']}: "
+                         f"{alarm['message']}")
     return lines
 
 
@@ -123,13 +199,19 @@ def _fmt(s: dict[str, float], digits: int = 3) -> str:
     return f"{s['mean']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
 
 
+def _alarm_text(counts: list[dict[str, int]]) -> str:
+    names = sorted({n for c in counts for n in c})
+    return ", ".join(f"{n} {sum(1 for c in counts if n in c)}/{len(counts)}" for n in names) or "none"
+
+
 def table_rows(summaries: dict[str, dict[str, Any]], sft: dict[str, Any]) -> list[dict[str, str]]:
     """The printed / published table: one row for SFT, one per algorithm (mean [min, max] over seeds)."""
     h = sft["heldout"]
     rows = [{"policy": "SFT", "held-out acc": f"{h['accuracy']:.3f} ({h['ci_low']:.3f}-{h['ci_high']:.3f})",
              "gain vs SFT": "", "reward early -> late": "", "train acc early -> late": "",
-             "tools/traj (exec)": "", "eval tools/traj": f"{h['tool_calls_per_traj']:.2f}", "branches/group": "",
-             "entropy": "", "no-signal groups": "", "step s": "", "CPU min/run": ""}]
+             "tools/traj train (exec)": "", "tools/traj eval": f"{h['tool_calls_per_traj']:.2f}",
+             "branches/group": "", "format err train": "", "format ok eval": f"{h['format_valid']:.2f}",
+             "runs with alarms": "", "step s": ""}]
     for algo, s in summaries.items():
         rows.append({
             "policy": f"{algo} ({len(s['seeds'])} seeds)", "held-out acc": _fmt(s["accuracy"]),
@@ -137,36 +219,36 @@ def table_rows(summaries: dict[str, dict[str, Any]], sft: dict[str, Any]) -> lis
                            + ", ".join(f"{lo:+.2f}..{hi:+.2f}" for lo, hi in s["gain_ci"]) + ")",
             "reward early -> late": f"{s['reward/mean:early']['mean']:.2f} -> {s['reward/mean:late']['mean']:.2f}",
             "train acc early -> late": f"{s['accuracy:early']['mean']:.2f} -> {s['accuracy:late']['mean']:.2f}",
-            "tools/traj (exec)": f"{s['tools/calls_per_traj']['mean']:.2f} "
-                                 f"({s['rollout/tool_calls_executed_per_traj']['mean']:.2f})",
-            "eval tools/traj": f"{s['heldout_tools']['mean']:.2f}",
+            "tools/traj train (exec)": f"{s['tools/calls_per_traj']['mean']:.2f} "
+                                       f"({s['rollout/tool_calls_executed_per_traj']['mean']:.2f})",
+            "tools/traj eval": f"{s['heldout_tools']['mean']:.2f}",
             "branches/group": f"{s['rollout/branches_per_group']['mean']:.2f}",
-            "entropy": f"{s['entropy/mean']['mean']:.4f}",
-            "no-signal groups": f"{s['reward/groups_without_signal']['mean']:.2f}",
-            "step s": f"{s['timing/step_s']['mean']:.0f}",
-            "CPU min/run": f"{s['cpu_min_per_run']:.1f}" if "cpu_min_per_run" in s else ""})
+            "format err train": f"{s['reward/format_error_rate:early']['mean']:.2f} -> "
+                                f"{s['reward/format_error_rate:late']['mean']:.2f}",
+            "format ok eval": f"{s['heldout_format']['mean']:.2f}",
+            "runs with alarms": _alarm_text(s["alarms"]),
+            "step s": f"{s['timing/step_s']['mean']:.0f}"})
     return rows
 
 
 PANELS = (("reward/mean", "reward"), ("accuracy", "training accuracy (new prompts)"),
           ("entropy/mean", "token entropy / ln|V|"), ("rollout/tool_calls_executed_per_traj",
                                                        "tool calls executed / trajectory"),
-          ("rollout/branches_per_group", "branches / group"))
+          ("rollout/branches_per_group", "branches / group"), ("reward/format_error_rate", "format error rate"),
+          ("response/length", "response tokens"))
 COLORS = {"grpo": "tab:blue", "arpo": "tab:orange", "aepo": "tab:green"}
+TITLES = {"arith": "3-digit products, one <python> call", "chain": "search, then python on its result (2 calls)"}
 
 
-def plot(results: dict[str, dict[str, Any]], sft: dict[str, Any], png: Path) -> Path:
+def plot(results: dict[str, dict[str, Any]], sft: dict[str, Any], png: Path, family: str = "") -> Path:
     """Per-step curves (mean over seeds, band = seed range) and the held-out accuracy per run with intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
-    by_algo: dict[str, list[dict[str, Any]]] = {}
-    for r in results.values():
-        if r["algorithm"] != "sft":
-            by_algo.setdefault(r["algorithm"], []).append(r)
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
+    by_algo = _by_algo(results)
     for ax, (key, title) in zip(axes.flat, PANELS):
         for algo, runs in by_algo.items():
             steps = sorted({row["step"] for run in runs for row in run["steps"]})
@@ -178,65 +260,71 @@ def plot(results: dict[str, dict[str, Any]], sft: dict[str, Any], png: Path) -> 
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
-    _accuracy_panel(axes.flat[5], by_algo, sft)
-    fig.suptitle("GRPO vs ARPO vs AEPO from one SFT policy (SmolLM2-135M, 3-digit products with <python>)")
+    _accuracy_panel(axes.flat[7], by_algo, sft)
+    fig.suptitle(f"GRPO vs ARPO vs AEPO from one SFT policy (SmolLM2-135M; {family}: {TITLES.get(family, family)}; "
+                 "band = seed range)")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=80)
+    fig.savefig(png, dpi=72)
     plt.close(fig)
     return png
+
+
+def _by_algo(results: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    by_algo: dict[str, list[dict[str, Any]]] = {}
+    for r in results.values():
+        if r["algorithm"] != "sft":
+            by_algo.setdefault(r["algorithm"], []).append(r)
+    return {algo: sorted(runs, key=lambda r: r["seed"]) for algo, runs in by_algo.items()}
 
 
 def _accuracy_panel(ax, by_algo: dict[str, list[dict[str, Any]]], sft: dict[str, Any]) -> None:
     h = sft["heldout"]
     ax.axhspan(h["ci_low"], h["ci_high"], color="grey", alpha=0.2)
     ax.axhline(h["accuracy"], color="grey", label=f"SFT {h['accuracy']:.2f}")
-    x = 0
+    ticks, labels, x = [], [], 0.0
     for algo, runs in by_algo.items():
-        for run in sorted(runs, key=lambda r: r["seed"]):
+        for run in runs:
             e = run["heldout"]
+            marker = "x" if collapse(run) else "o"
             ax.errorbar([x], [e["accuracy"]], yerr=[[e["accuracy"] - e["ci_low"]], [e["ci_high"] - e["accuracy"]]],
-                        fmt="o", color=COLORS.get(algo), capsize=3)
+                        fmt=marker, color=COLORS.get(algo), capsize=3)
+            ticks.append(x)
+            labels.append(f"{algo}\ns{run['seed']}")
             x += 1
         x += 0.5
-    labels = [f"{a}\ns{r['seed']}" for a, runs in by_algo.items() for r in sorted(runs, key=lambda r: r["seed"])]
-    ticks, x = [], 0.0
-    for runs in by_algo.values():
-        ticks += [x + i for i in range(len(runs))]
-        x += len(runs) + 0.5
-    ax.set_xticks(ticks, labels, fontsize=8)
-    ax.set_title("held-out accuracy after RL (95% bootstrap)")
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_title("held-out accuracy after RL (95% bootstrap; x = collapse alarm)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
 
 
-def report(results: dict[str, dict[str, Any]], timing: dict[str, Any], root: Path, missing: list[str]) -> Path | None:
-    """Print the table and verdicts, write summary.json and learning.png, publish them inside a flow run."""
+def report(results: dict[str, dict[str, Any]], timing: dict[str, Any], root: Path, missing: list[str],
+           family: str = "") -> Path | None:
+    """Print the table and verdicts, write summary-<family>.json and learning-<family>.png, publish them."""
     from tabulate import tabulate
 
     from stages.core.atomic import write_json
 
     sft = results.get("sft")
+    print(f"\n=== task family {family}: {TITLES.get(family, '')} ===")
     if sft is None:
         print("no SFT evaluation yet; nothing to report")
         return None
-    by_algo: dict[str, list[dict[str, Any]]] = {}
-    for r in results.values():
-        if r["algorithm"] != "sft":
-            by_algo.setdefault(r["algorithm"], []).append(r)
+    by_algo = _by_algo(results)
     summaries = {algo: algorithm_summary(runs, sft) for algo, runs in by_algo.items()}
     for algo, s in summaries.items():  # CPU of every attempt (RL + its held-out evaluation), per run
         cpu = [a["cpu_s"] for a in timing.get("attempts", []) if a["job"].split(":")[0] == algo]
         s["cpu_min_per_run"] = sum(cpu) / 60 / max(1, len(s["seeds"]))
     rows = table_rows(summaries, sft)
-    lines = verdicts(summaries, sft)
-    print("\n" + tabulate(rows, headers="keys", tablefmt="github"))
+    lines = verdicts(summaries, sft, by_algo)
+    print(tabulate(rows, headers="keys", tablefmt="github"))
     print("\n" + "\n".join(lines))
     print("\n" + timing_text(timing))
-    png = plot(results, sft, root / "learning.png") if by_algo else None
-    write_json(root / "summary.json", {"summaries": summaries, "verdicts": lines, "table": rows, "timing": timing,
-                                       "missing": missing})
-    _publish(rows, lines, png)
+    png = plot(results, sft, root / f"learning-{family}.png", family) if by_algo else None
+    write_json(root / f"summary-{family}.json", {"summaries": summaries, "verdicts": lines, "table": rows,
+                                                 "timing": timing, "missing": missing})
+    _publish(family, rows, lines, png)
     return png
 
 
@@ -247,18 +335,16 @@ def timing_text(timing: dict[str, Any]) -> str:
     wall = max((a["wall_s"] for a in runs), default=0.0)
     sft = timing.get("sft", {})
     train = sft.get("train_runtime_s")
-    return (f"time: bench {timing['bench_wall_s'] / 60:.1f} min wall this invocation (mean load average "
-            f"{timing['mean_load']:.1f} on 2 cores); data + SFT when first built {sft.get('wall_s', 0) / 60:.1f} min "
-            f"wall, {sft.get('cpu_s', 0) / 60:.1f} min CPU (LLaMA-Factory train_runtime "
-            f"{(train or 0) / 60:.1f} min); RL+eval runs {len(runs)} attempts, {cpu / 60:.1f} min CPU in "
-            f"all, longest attempt {wall / 60:.1f} min wall; idle-box estimate with 2 runs at a time: "
-            f"{(sft.get('cpu_s', 0) / 2 + cpu / 2) / 60:.0f} min")
+    return (f"time: data + SFT when first built {sft.get('wall_s', 0) / 60:.1f} min wall, "
+            f"{sft.get('cpu_s', 0) / 60:.1f} min CPU (LLaMA-Factory train_runtime {(train or 0) / 60:.1f} min); "
+            f"RL+eval runs {len(runs)} attempts, {cpu / 60:.1f} min CPU in all, longest attempt {wall / 60:.1f} min "
+            f"wall; idle-box estimate with 2 runs at a time: {(sft.get('cpu_s', 0) / 2 + cpu / 2) / 60:.0f} min")
 
 
-def _publish(rows: list[dict[str, str]], lines: list[str], png: Path | None) -> None:
+def _publish(family: str, rows: list[dict[str, str]], lines: list[str], png: Path | None) -> None:
     from tasks.artifacts import publish_image, publish_markdown, publish_table
 
-    publish_table("bench-learning", rows, "GRPO vs ARPO vs AEPO from one SFT policy: held-out accuracy and training")
-    publish_markdown("bench-learning-verdicts", "\n".join(f"- {line}" for line in lines))
+    publish_table(f"bench-learning-{family}", rows, f"{family}: GRPO vs ARPO vs AEPO from one SFT policy")
+    publish_markdown(f"bench-learning-{family}-verdicts", "\n".join(f"- {line}" for line in lines))
     if png is not None:
-        publish_image("bench-learning-curves", png, "per-step curves and held-out accuracy")
+        publish_image(f"bench-learning-{family}-curves", png, f"{family}: per-step curves and held-out accuracy")

@@ -1,12 +1,14 @@
 """`arpo`: the front door. Run the pipeline (or part of it), inspect configs, manage the local Prefect UI.
 
 Config errors are reported before Prefect is even imported; exit code 2 means "fix your input" (a bad
-config, a missing or malformed data file: `stages.core.errors.InputError`, printed as its message only).
+config, a missing or malformed data file: `stages.core.errors.InputError`, printed as its message only); exit
+code 3 means the Prefect server the run reports to stopped answering (finished stages stay cached: rerun).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from flows import extra_commands
@@ -29,6 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, PlanError) as err:  # bad config or data: the message says what to fix, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ServerLost as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)  # Prefect's exit hooks would keep retrying the gone server for minutes
+
+
+class ServerLost(Exception):
+    """The Prefect server this run reports to stopped answering mid-run."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,10 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--from", dest="refresh_from", metavar="STAGE", help="recompute STAGE and everything after it")
     run.add_argument("--ephemeral", action="store_true",
                      help="do not use the local Prefect server even if it is running")
+    run.add_argument("--verify", action="store_true",
+                     help="check every byte of each cached output against its manifest before reusing it (default: "
+                          "sizes, and contents of small or touched files)")
     run.set_defaults(handler=cmd_run)
 
     config = sub.add_parser("config", help="show or validate the resolved config")
     config.add_argument("action", choices=["show", "validate"])
+    config.add_argument("--card", action="store_true",
+                        help="show the RL algorithm card instead: each mechanism, this run vs the reference code")
     _config_args(config)
     config.set_defaults(handler=cmd_config)
 
@@ -58,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mark a flow run Crashed after this long without a heartbeat (default "
                              "180; 0 = never)")
     server.set_defaults(handler=cmd_server)
+
+    plan = sub.add_parser("plan", help="what a run will cost before it starts: prompts, tokens, tool and search "
+                          "calls per step and per run, search price, device-hours (docs/plan.md)")
+    _config_args(plan)
+    plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    plan.set_defaults(handler=cmd_plan)
 
     stages = sub.add_parser("stages", help="list the pipeline stages in order")
     stages.set_defaults(handler=cmd_stages)
@@ -83,7 +105,23 @@ def cmd_config(args: argparse.Namespace) -> int:
     from stages.core.config import load_config, to_yaml
 
     cfg = load_config(args.profile, args.override)
+    if args.card:
+        from stages.rl.card import algorithm_card, card_markdown
+
+        print(card_markdown(algorithm_card(cfg.rl)))
+        return 0
     print(to_yaml(cfg) if args.action == "show" else f"ok: profile {cfg.profile} is valid")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from stages.core.config import load_config
+    from stages.cost import plan_run, render_markdown
+
+    estimate = plan_run(load_config(args.profile, args.override))
+    print(json.dumps(estimate.to_json(), indent=2) if args.json else render_markdown(estimate))
     return 0
 
 
@@ -109,10 +147,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.profile, args.override)  # fail fast on config errors
     plan = make_plan(args.only, args.until, args.refresh, args.refresh_from)
+    from stages.core.inputs import check_inputs
+
+    check_inputs(cfg, plan.run)  # and on missing, unreadable or malformed input files
     if plan.runs("infer") and cfg.eval.enabled:
         from stages.eval.benchmarks import check_benchmarks
 
-        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root)  # and on missing benchmark files
+        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root, cfg.eval.max_questions)  # and benchmark files
     ui = use_local_server_if_running(ephemeral=args.ephemeral)
     import torch
 
@@ -120,8 +161,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
 
     print(f"profile {cfg.profile}: {plan.describe()}")
-    summary = pipeline(profile=args.profile, overrides=args.override, only=args.only, until=args.until,
-                       refresh=args.refresh, refresh_from=args.refresh_from)
+    try:
+        summary = pipeline(profile=args.profile, overrides=args.override, only=args.only, until=args.until,
+                           refresh=args.refresh, refresh_from=args.refresh_from, verify=args.verify)
+    except Exception as err:
+        from stages.core.errors import DeterministicError
+        from stages.core.procs import healthy
+
+        if ui and not isinstance(err, DeterministicError) and not healthy(f"{ui}/api/health"):
+            raise ServerLost(f"the Prefect server at {ui} stopped answering during the run ({type(err).__name__}: "
+                             f"{err}). Finished stages are kept in {cfg.run.output_root}/ and are reused: start the "
+                             "server again (`arpo server start`), or add --ephemeral, and rerun the same command"
+                             ) from err
+        raise
     print(f"\nrun record: {summary['run_dir']}")
     report = summary["refs"].get("report")
     if report:

@@ -13,17 +13,19 @@ from stages.core.config import RunConfig
 from stages.core.plan import StageName, make_plan
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from tasks.common import submit_stage
-from tasks.eval_infer import infer_task
+from tasks.eval_infer import submit_infer
 from tasks.eval_score import score_task, scores_as_they_finish
 
 
 @flow(name="evaluate", log_prints=True)
 def evaluate_benchmarks(cfg: RunConfig, model: ModelRef, data: DatasetRef, endpoint: EndpointRef,
-                        judge: EndpointRef | None, refresh: list[StageName], score: bool) -> dict[str, Any]:
+                        judge: EndpointRef | None, refresh: list[StageName], score: bool,
+                        retry: list[str] | None = None) -> dict[str, Any]:
+    """retry: benchmarks whose infra-failed samples run again (stages/eval/reuse.py)."""
     plan = make_plan(refresh=refresh)
     root, cache = cfg.run.output_root, cfg.run.cache_root
-    predictions = [submit_stage(infer_task, plan, "infer", cfg.eval, cfg.agent, name, model, endpoint, data,
-                                root, cache) for name in cfg.eval.benchmarks]
+    predictions = [submit_infer(plan, retry or [], cfg.eval, cfg.agent, name, model, endpoint, data, root, cache)
+                   for name in cfg.eval.benchmarks]
     if not score:
         return {"infer": [p.result() for p in predictions]}
     scores = [submit_stage(score_task, plan, "score", cfg.eval, p, judge, root, cache) for p in predictions]

@@ -2,7 +2,9 @@
 -> report.
 
 Only wiring lives here: every step is a task from tasks/ (cached, retried), the plan says which run and which are
-forced to recompute, and servers are torn down in `finally` even when a step fails.
+forced to recompute, and servers are torn down in `finally` even when a step fails. The inputs the config names are
+checked before any task (stages.core.inputs), and the data stage runs before the model bootstrap: a bad data file
+fails in seconds, before a model is downloaded or converted.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from prefect import flow
 
 from flows.evaluate import FANOUT
 from stages.core.config import Override, Profile, load_config
+from stages.core.inputs import check_inputs, check_rl_rows
 from stages.core.plan import StageName, make_plan
 from stages.eval.benchmarks import check_benchmarks
 from tasks.bootstrap import bootstrap_task
 from tasks.common import run_stage
+from tasks.cost import cost_plan_task
 from tasks.data import data_task
 from tasks.eval_score import report_task
 from tasks.eval_serve import judge_serve_task, serve_task, serving_needs_task, stop_task
@@ -29,19 +33,24 @@ from tasks.sft import dpo_task, sft_task
 @flow(name="arpo-pipeline", log_prints=True)
 def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = None,
              only: list[StageName] | None = None, until: StageName | None = None, refresh: list[StageName] | None = None,
-             refresh_from: StageName | None = None) -> dict[str, Any]:
+             refresh_from: StageName | None = None, verify: bool = False) -> dict[str, Any]:
     """profile: configs/profiles/<name>.yaml; overrides: key.sub=value; only/until: which stages run (upstream
-    comes from cache); refresh / refresh_from: recompute these stages (and, for refresh_from, all after it)."""
+    comes from cache); refresh / refresh_from: recompute these stages (and, for refresh_from, all after it);
+    verify: check every byte of each cached output before it is reused (else sizes and small files)."""
     cfg = load_config(profile, overrides or [])  # a bad key fails here, before any work
     plan = make_plan(only, until, refresh, refresh_from)
+    check_inputs(cfg, plan.run)  # so does a missing or malformed input file
     if plan.runs("infer") and cfg.eval.enabled:
-        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root)  # so does a missing benchmark file
+        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root, cfg.eval.max_questions)  # and benchmark files
     root, cache = cfg.run.output_root, cfg.run.cache_root
     run_dir = record_config_task(cfg, plan.describe())
+    cost_plan_task(cfg, run_dir)  # what the run will cost, before it starts (arpo plan)
     refs: dict[str, Any] = {}
-    refs["bootstrap"] = base = model = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, root, cache)
     if plan.runs("data"):
         refs["data"] = data = run_stage(data_task, plan, "data", cfg.data, root)
+        if plan.runs("rl"):
+            check_rl_rows(cfg.rl, data)  # a train set smaller than a batch fails now, not after SFT
+    refs["bootstrap"] = base = model = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, root, cache)
     python = cfg.run.python_for  # per-stage interpreter (run.interpreters), None = this process
     if plan.runs("sft"):
         refs["sft"] = policy = run_stage(sft_task, plan, "sft", cfg.sft, cfg.agent, model, data, root, cache,
@@ -78,7 +87,7 @@ def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str, gains: di
         if judge is not None and judge.url != endpoint.url:
             endpoints.append(judge)
         fanout = FANOUT[cfg.eval.fanout](cfg)
-        out = fanout(cfg, model, data, endpoint, judge, sorted(plan.refresh), plan.runs("score"))
+        out = fanout(cfg, model, data, endpoint, judge, sorted(plan.refresh), plan.runs("score"), needs.retry)
         if plan.runs("report"):
             out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], cfg.run.output_root,
                                       gains=gains)

@@ -53,8 +53,8 @@ def default_port() -> int:
 
 def use_local_server_if_running(ephemeral: bool = False) -> str | None:
     """Point this process at the project's server when one answers (PREFECT_API_URL, the server `arpo server`
-    started, or prefect.toml's URL); else at an ephemeral one for this run (an empty PREFECT_API_URL, which also
-    overrides prefect.toml). Returns the server's URL, or None for ephemeral."""
+    started, or prefect.toml's URL); else at an ephemeral one for this run. Returns the server's URL, or None for
+    ephemeral."""
     from stages.core import services
 
     if not ephemeral and os.environ.get("PREFECT_API_URL"):
@@ -65,5 +65,22 @@ def use_local_server_if_running(ephemeral: bool = False) -> str | None:
         if services.healthy(f"{api}/health"):
             os.environ["PREFECT_API_URL"] = api
             return api.removesuffix("/api")
-    os.environ["PREFECT_API_URL"] = ""
+    start_ephemeral_server()
     return None
+
+
+def start_ephemeral_server() -> str:
+    """Prefect's temporary server for this process (stopped at exit), named in PREFECT_API_URL, which also overrides
+    prefect.toml. Started here rather than left to Prefect: an empty PREFECT_API_URL (the other way to override
+    prefect.toml) sends Prefect 3.7's events to the URL "" — every event then fails with a traceback."""
+    import socket
+
+    with socket.socket() as sock:  # the URL goes into the environment before Prefect reads its settings
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer(port=port)
+    server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")))
+    return server.api_url

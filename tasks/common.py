@@ -11,14 +11,24 @@ runs the task and overwrites its cache entry, and the task passes `force=forced(
 folder and recomputes.
 
 Retries are for transient failures only: a stage raising `stages.core.errors.InputError` (bad config, missing
-or malformed data) fails at once, since the same inputs would fail the same way.
+or malformed data) fails at once, since the same inputs would fail the same way, and its log line is
+`error: <message>` (no traceback); a key function that raises one (fingerprinting a missing file) leaves the key
+unset quietly and the stage raises it again before any work.
+
+A cache hit serves only what is still there: before Prefect looks its key up, `StageKey` checks the stage's folder
+against its manifest (sizes, small files' contents; every file's content when the flow runs with `verify=True`,
+`arpo run --verify`). A damaged folder is wiped with a warning naming the files, a vanished one is named too, and
+either way the cached entry is expired, so the task runs and rebuilds it instead of handing it downstream.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,11 +39,16 @@ from prefect.context import TaskRunContext
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from prefect.states import State
 
-from stages.core.errors import DeterministicError
+from stages.core import locks
+from stages.core.errors import DeterministicError, InputError
 from stages.core.fingerprint import hash_value
+from stages.core.log import get_logger
+from stages.core.refs import Ref
+from stages.core.workspace import MARKER, discard_if_damaged, stage_path, verify
 from tasks import live
 
 live.install()  # stage log lines and progress reach the current Prefect run
+log = get_logger(__name__)
 
 R = TypeVar("R")
 KeyFn = Callable[..., str]
@@ -47,15 +62,71 @@ class StageKey(CachePolicy):
     key_fn: KeyFn | None = None
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str:
-        return stage_key(self.stage, self.key_fn, inputs)
+                    **kwargs: Any) -> str | None:
+        try:
+            folder_key = self.key_fn(**_wanted(self.key_fn, inputs))
+        except InputError:
+            return None  # the stage computes its key first thing and raises this again: the task fails once
+        key = cache_key(self.stage, folder_key, inputs["output_root"])
+        check_cached(getattr(task_ctx, "result_store", None), key, self.stage,
+                     stage_path(inputs["output_root"], self.stage, folder_key),
+                     full=bool((flow_parameters or {}).get("verify")))
+        return key
 
 
-def stage_key(stage: str, key_fn: KeyFn, inputs: dict[str, Any]) -> str:
-    """The Prefect cache key of a stage task with these inputs."""
+def _wanted(key_fn: KeyFn, inputs: dict[str, Any]) -> dict[str, Any]:
     wanted = inspect.signature(key_fn).parameters
-    key = key_fn(**{name: value for name, value in inputs.items() if name in wanted})
-    return hash_value(stage, key, str(Path(inputs["output_root"]).resolve()))
+    return {name: value for name, value in inputs.items() if name in wanted}
+
+
+def cache_key(stage: str, folder_key: str, output_root: str) -> str:
+    """The Prefect cache key of a stage task: its folder key and where the folder lives."""
+    return hash_value(stage, folder_key, str(Path(output_root).resolve()))
+
+
+def check_cached(store: Any, key: str, stage: str, folder: Path, full: bool = False) -> None:
+    """Expire the cache entry `key` when what it points at is not what the stage wrote: the folder is damaged (wiped
+    here, with a warning naming the files), gone, or rebuilt since (another fingerprint)."""
+    if verify(folder, full):
+        locks.acquire(folder)  # not while another run rebuilds it
+        try:
+            damaged = discard_if_damaged(folder, stage, full)
+        finally:
+            locks.release(folder)
+        if damaged and store is not None:
+            expire(store, key)
+        return
+    ref = _cached_ref(store, key) if store is not None else None
+    if ref is None or not Path(ref.path).resolve().is_relative_to(folder):
+        return  # nothing cached, or an output that is not this folder (a stage switched off hands its input on)
+    if not (folder / MARKER).is_file():
+        log.warning("cached output of stage %s is gone (%s); recomputing it", stage, folder)
+        expire(store, key)
+    elif ref.fingerprint != _marker_fingerprint(folder):
+        log.info("stage %s: %s was rebuilt since it was cached; using the folder's own output", stage, folder)
+        expire(store, key)
+
+
+def _cached_ref(store: Any, key: str) -> Ref | None:
+    try:
+        value = store.read(key).result if store.exists(key) else None
+    except Exception:  # noqa: BLE001 - any unreadable entry is a miss for Prefect too
+        return None
+    return value if isinstance(value, Ref) else None
+
+
+def _marker_fingerprint(folder: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((folder / MARKER).read_text()).get("fingerprint")
+    except (OSError, ValueError):
+        return None
+
+
+def expire(store: Any, key: str) -> None:
+    """Make the entry a miss (an expired record in its place); the task's new result overwrites it."""
+    store.write(obj=None, key=key, expiration=datetime.now(UTC) - timedelta(seconds=1))
 
 
 def forced() -> bool:
@@ -80,9 +151,36 @@ def stage_task(stage: str, key: KeyFn | None = None, retries: int = 1, retry_del
     """Decorator for a stage task: cached on the stage's key function `key` (no cache without one), results
     persisted, idempotent so retried (unless the error is a DeterministicError)."""
     policy = StageKey(stage=stage, key_fn=key) if key is not None else NO_CACHE
-    return task(name=stage, cache_policy=policy, persist_result=key is not None, retries=retries,
-                retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
-                task_run_name=f"{stage}", retry_condition_fn=retryable)
+
+    def decorate(fn: Callable[..., R]) -> Task:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> R:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                locks.release_thread_locks()  # a stage that failed before finishing its folder lets go of it
+
+        return task(name=stage, cache_policy=policy, persist_result=key is not None, retries=retries,
+                    retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
+                    task_run_name=f"{stage}", retry_condition_fn=retryable)(run)
+
+    return decorate
+
+
+class InputErrorLines(logging.Filter):
+    """Prefect logs a failed task or flow with its traceback. For an error the same inputs raise again (a config
+    or data error, a stop-on alarm) the line becomes `error: <message>`, as `arpo run` prints it: no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, DeterministicError):
+            record.msg, record.args, record.exc_info, record.exc_text = f"error: {exc}", (), None, None
+        return True
+
+
+for _name in ("prefect.task_runs", "prefect.flow_runs"):
+    if not any(isinstance(f, InputErrorLines) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(InputErrorLines())
 
 
 def refreshed(stage_task_: Task, refresh: bool) -> Task:

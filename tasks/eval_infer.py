@@ -1,27 +1,42 @@
 """Inference task, cached on the stage's own key (`infer_key`): the generation settings, agent, model, data,
 benchmark content and what the endpoint serves (served name, weights, sampling extras), never its URL or port,
 which change every time a server starts. Changing the judge, pass@k or the bootstrap rescores the saved
-predictions instead of generating them again."""
+predictions instead of generating them again.
+
+A benchmark whose predictions have samples that hit a tool infrastructure failure is submitted again by the next
+run (`submit_infer` with it in `retry`, from stages/eval/reuse.py): the task runs despite its cache entry, which it
+then overwrites, and the stage reruns only those samples (`retry=True`: the folder is reopened, never wiped)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import EvalSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.eval.inference import infer_key, run_inference
 from tasks.artifacts import publish_table
-from tasks.common import forced, stage_task
+from tasks.common import forced, refreshed, stage_task
 from tasks.secrets import export_search_key
 
 
 @stage_task("eval-infer", infer_key)
 def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
-           data: DatasetRef, output_root: str, cache_root: str) -> PredictionsRef:
+           data: DatasetRef, output_root: str, cache_root: str, retry: bool = False) -> PredictionsRef:
     export_search_key(agent)
-    ref = run_inference(cfg, agent, benchmark, model, endpoint, data, output_root, cache_root, force=forced())
+    ref = run_inference(cfg, agent, benchmark, model, endpoint, data, output_root, cache_root,
+                        force=forced() and not retry)
     publish_table(f"infer-{benchmark}", [{"benchmark": benchmark, **ref.meta, "path": ref.path}],
                   f"Predictions for {benchmark}")
     return ref
 
 
 infer_task = _infer.with_options(task_run_name="eval-infer-{benchmark}")
+
+
+def submit_infer(plan: Any, retry: list[str], cfg: EvalSection, agent: AgentSection, benchmark: str,
+                 *args: Any) -> Any:
+    """Submit one benchmark's inference: recomputed when the plan refreshes `infer`; run again without a wipe
+    (only its infra-failed samples) when it is in `retry`."""
+    again = benchmark in retry and not plan.refreshes("infer")
+    return refreshed(infer_task, plan.refreshes("infer") or again).submit(cfg, agent, benchmark, *args, retry=again)

@@ -1,9 +1,10 @@
 """RL and merge tasks: cached stage calls. RL publishes its progress, curves, rollout sample and alarms while it
-runs (stages.core.reporter -> tasks/live.py), so the task itself only calls the stage.
+runs (stages.core.reporter -> tasks/live.py); the task publishes the run's algorithm card (`rl-algorithm-card`,
+stages/rl/card.py) before calling the stage.
 
 `python` runs the stage under another interpreter (config `run.interpreters`); the key functions ask that
 interpreter what they need of it (verl's version), and the RL settings that only watch the run (alarms, artifact
-refresh) are not part of the key (stages.rl.trainer.training_identity).
+refresh) are not part of the key (stages.rl.trainer.training_identity, used by stages.rl.stage.rl_key).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import MergeSection, RLSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+from stages.rl.card import algorithm_card, card_table
 from stages.rl.merge import merge_key
-from stages.rl.trainer import rl_key
+from stages.rl.stage import rl_key
 from tasks.artifacts import publish_table
 from tasks.common import call_stage, forced, stage_task
 from tasks.secrets import export_search_key
@@ -23,8 +25,16 @@ def rl_task(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
             output_root: str, cache_root: str, seed: int = 0, dtype: str = "float32",
             python: str | None = None) -> CheckpointRef:
     export_search_key(agent)
-    return call_stage("stages.rl.trainer:run_rl", python, cfg=cfg, agent=agent, policy=policy, data=data,
+    publish_card(cfg)
+    return call_stage("stages.rl.stage:run_rl", python, cfg=cfg, agent=agent, policy=policy, data=data,
                       output_root=output_root, cache_root=cache_root, seed=seed, force=forced(), dtype=dtype)
+
+
+def publish_card(cfg: RLSection) -> None:
+    """The run's algorithm card as the `rl-algorithm-card` table (stages/rl/card.py)."""
+    card = algorithm_card(cfg)
+    publish_table("rl-algorithm-card", card_table(card), f"{cfg.algorithm} on the {cfg.engine} engine vs the "
+                  f"published run {card.reference.name}: each mechanism, same or differs and why (docs/reference.md)")
 
 
 @stage_task("merge", merge_key)

@@ -122,6 +122,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     # pipeline tests that follow would otherwise run beside it)
     if item.nodeid == _VLLM.get("last_user"):
         _stop_vllm()
+    # a stage called directly that failed before finishing its folder still holds the folder's lock (the task layer
+    # lets go when a task ends; a test is the task here): a later child process on that folder must not wait on it
+    from stages.core import locks
+
+    locks.release_thread_locks()
 
 
 @pytest.fixture(scope="session")

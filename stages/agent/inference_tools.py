@@ -1,18 +1,23 @@
-"""Tool-Star's optional inference-time tools (research/arpo.md 5.5), each used at most a few times per sample.
+"""Tool-Star's optional inference-time tools (Tool-Star evaluation/run.py `--use_debug`, `--use_rollback`,
+`--use_refiner`; facts in docs/agent.md), each used at most `max_*` times per sample.
 
-- code debugger: on a python error an OpenAI-compatible LLM rewrites the code once; the fix is run instead.
-  (wired into ToolBox when `agent.inference.debugger` is on)
-- rollback: on a python error cut the response back to before the failing `<python>` so the policy
-  regenerates that step: `rollback_cut` (text) and `rollback_keep_tokens` (token ids), pure functions for the
-  generation loop.
-- refiner: when prompt + response pass `refine_threshold_tokens`, an LLM compresses the response (`Refiner`).
+- code debugger: on a python error an OpenAI-compatible LLM rewrites the code once; the fix is run instead
+  (wired into the python tool when `agent.inference.debugger` is on; stages/agent/tools.py).
+- rollback: on a python error (no debugger use left for this call) the output is cut back to before the line
+  that opened the failing `<python>` and the policy regenerates that step (`rollback_cut`; the text loop through
+  `LoopAids`).
+- refiner: when prompt + output pass `refine_threshold_tokens`, the helper LLM compresses the output
+  (`Refiner`; the text loop through `LoopAids`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from stages.core.config.agent import InferenceToolsSection
 
@@ -36,36 +41,26 @@ def extract_code(reply: str) -> str:
 
 
 def rollback_cut(text: str) -> str | None:
-    """Cut `text` back to the last newline before its last `<python>` (dropping a `</think>` just before it),
-    so the model regenerates that step. None when there is no `<python>` to roll back.
+    """Tool-Star's rollback (evaluation/tools/rollback_code.py): from the last `<python>` step back over spaces
+    and newlines, over a `</think>` right there and the spaces before it, then cut after the last newline at or
+    before that point. The line that led to the call goes too, so the model regenerates the whole step.
+    None when there is no `<python>`; "" when no newline precedes it (the whole output is regenerated).
 
-    `"<think>a\\nb </think>\\n<python>x</python>"` -> `"<think>a\\nb "`: the newline before `<python>` is the
-    one after `</think>`; the kept part then ends with `</think>\\n`, whose `</think>` is dropped.
+    `"<think>a\\nb </think>\\n<python>x"` -> `"<think>a\\n"`: back over "\\n" and `</think>` and " " to
+    "b"; the last newline before it ends "a".
     """
     at = text.rfind("<python>")
     if at < 0:
         return None
-    head = text[:at]
-    newline = head.rfind("\n")
-    kept = head[: newline + 1] if newline >= 0 else head
-    stripped = kept.rstrip()
-    if stripped.endswith("</think>"):
-        kept = stripped[: -len("</think>")]
-    return kept
-
-
-def rollback_keep_tokens(token_texts: list[str], cut_chars: int) -> int:
-    """How many leading tokens to keep so that their text is at most `cut_chars` characters long.
-
-    `token_texts[i]` is the text of token i (e.g. from decoding each id with the offsets of a fast
-    tokenizer); with `cut_chars = len(rollback_cut(text))` this keeps the token ids as generated.
-    """
-    total = 0
-    for count, piece in enumerate(token_texts):
-        if total + len(piece) > cut_chars:
-            return count
-        total += len(piece)
-    return len(token_texts)
+    i = at - 1
+    while i >= 0 and text[i] in " \n":
+        i -= 1
+    if text[max(0, i - len("</think>") + 1): i + 1] == "</think>":
+        i -= len("</think>")
+    while i >= 0 and text[i] in " \n":
+        i -= 1
+    newline = text.rfind("\n", 0, i + 1)
+    return text[: newline + 1] if newline >= 0 else ""
 
 
 @dataclass
@@ -134,3 +129,43 @@ class Refiner:
         except Exception:  # noqa: BLE001 - keep the original context on any helper failure
             return response
         return refined or response
+
+
+class LoopAids:
+    """Rollback and refiner for one sample of the text loop (stages.agent.loop.run_text_loop), as Tool-Star's
+    evaluation applies them; their uses are counted in `state.inference_tools`.
+
+    count_tokens(text) -> tokens of text (the policy's tokenizer); prompt and question are the sample's.
+    """
+
+    def __init__(self, cfg: InferenceToolsSection, refiner: Refiner | None, count_tokens: Callable[[str], int],
+                 prompt: str, question: str) -> None:
+        self.cfg, self.refiner, self.count_tokens, self.question = cfg, refiner, count_tokens, question
+        self.prompt_tokens = count_tokens(prompt) if refiner is not None else 0
+
+    def rollback(self, state: Any, result: Any) -> bool:
+        """After a tool call: on a python error, cut `state.output` back (instead of appending the error) and
+        return True. Not for refused calls (limits), infrastructure failures, or a call the debugger already
+        tried to fix (Tool-Star rolls back only when no debug is left: run.py 193-207)."""
+        if not self.cfg.rollback or state.inference_tools.get("rollback", 0) >= self.cfg.max_rollback:
+            return False
+        meta = result.meta or {}
+        if result.tool != "python" or result.ok or meta.get("rejected") or meta.get("internal_error") \
+                or meta.get("debug_attempted"):
+            return False
+        cut = rollback_cut(state.output)
+        if cut is None:
+            return False
+        state.output = cut
+        state.inference_tools["rollback"] = state.inference_tools.get("rollback", 0) + 1
+        return True
+
+    async def refine(self, state: Any) -> None:
+        """Before a generation: compress the output once prompt + output reach the threshold (Tool-Star checks
+        every sequence still generating after each round: run.py 253-264)."""
+        if self.refiner is None or state.inference_tools.get("refine", 0) >= self.cfg.max_refine:
+            return
+        if not self.refiner.needed(self.prompt_tokens, self.count_tokens(state.output)):
+            return
+        state.output = await asyncio.to_thread(self.refiner.refine, self.question, state.output)
+        state.inference_tools["refine"] = state.inference_tools.get("refine", 0) + 1

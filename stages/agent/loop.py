@@ -13,7 +13,7 @@ A model writes a segment until EOS, its token budget or a stop string; `next_ste
 | a closing tag with a call | call: the ToolBox runs it and `render_result(text)` is appended |
 
 Two drivers use it:
-- token level, batched over trajectories: `stages.generation.engine.TIRRollout` (RL rollouts and verl's rollout
+- token level, batched over trajectories: `stages.generation.tool_rollout.ToolRollout` (RL rollouts and verl's rollout
   tree through RL's branching engine, SFT's sampled trajectories); "the environment ends it" = an EOS is appended;
 - text level, one sample: `run_text_loop` below (evaluation over an OpenAI endpoint, SFT's teacher trajectories).
 """
@@ -102,6 +102,8 @@ class TextLoopState:
     tools_run: dict[str, int] = field(default_factory=lambda: {"python": 0, "search": 0})
     timing: dict[str, float] = field(default_factory=lambda: {"llm_s": 0.0, "python_s": 0.0, "search_s": 0.0})
     results: list[Any] = field(default_factory=list)  # the ToolResults, in order
+    # Tool-Star's inference-time tools used on this sample (stages/agent/inference_tools.py)
+    inference_tools: dict[str, int] = field(default_factory=lambda: {"debug": 0, "rollback": 0, "refine": 0})
 
 
 @dataclass(frozen=True)
@@ -112,8 +114,11 @@ class TextBudget:
 
 
 async def run_text_loop(generate: TextGenerator, box: Any, rules: LoopRules, budget: TextBudget,
-                        state: TextLoopState) -> None:
-    """Generate, step, run tools, until a step says done (the caller applies any timeout)."""
+                        state: TextLoopState, aids: Any = None) -> None:
+    """Generate, step, run tools, until a step says done (the caller applies any timeout).
+
+    `aids` (stages.agent.inference_tools.LoopAids): Tool-Star's refiner before each later generation and its
+    rollback after a failed python call (the error is then not appended: the output is cut back instead)."""
     tool_state = box.new_state()
     while True:
         left = budget.max_total_tokens - state.completion_tokens
@@ -123,6 +128,8 @@ async def run_text_loop(generate: TextGenerator, box: Any, rules: LoopRules, bud
         if state.llm_calls >= budget.max_calls:
             state.finish_reason = "max_calls"
             return
+        if aids is not None and state.llm_calls > 0:
+            await aids.refine(state)
         start = time.monotonic()
         seg = await generate(state.output, min(budget.max_tokens, left), state.llm_calls)
         state.timing["llm_s"] += time.monotonic() - start
@@ -142,4 +149,7 @@ async def run_text_loop(generate: TextGenerator, box: Any, rules: LoopRules, bud
         name = step.call.tool
         state.tools_run[name] = state.tools_run.get(name, 0) + 1
         state.timing[f"{name}_s"] = state.timing.get(f"{name}_s", 0.0) + float(result.latency_s)
+        state.inference_tools["debug"] += bool((result.meta or {}).get("debug_attempted"))
+        if aids is not None and aids.rollback(state, result):
+            continue
         state.output += render_result(result.text)

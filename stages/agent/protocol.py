@@ -1,7 +1,7 @@
 """The tool-integrated reasoning (TIR) text protocol: pure functions, no I/O.
 
-Tags (research/arpo.md 4.1): `<think>…</think>`, a call `<tool>argument</tool>` of every registered tool
-(stages/agent/tools.py: `<search>query</search>`, `<python>code</python>`), the environment's
+Tags (docs/reference.md "Tags and the format contract"): `<think>…</think>`, a call `<tool>argument</tool>` of
+every registered tool (stages/agent/tools.py: `<search>query</search>`, `<python>code</python>`), the environment's
 `<result>…</result>`, and `<answer>… \\boxed{X} …</answer>`. Generation stops at a closing tool
 tag (`STOP_TAGS`); the caller runs the tool and appends `render_result(text)`.
 
@@ -158,7 +158,7 @@ def _pairs_ok(text: str, tool: str) -> str | None:
 
 
 def check_format(response: str) -> FormatCheck:
-    """The reference format contract (research/arpo.md 4.1, `deep_research.py::validate_format`).
+    """The reference format contract (`deep_research.py::validate_format`; docs/reference.md "Tags and the format contract").
 
     `response` is the decoded response only (no prompt). Only a literal `\\boxed{…}` with balanced braces
     counts (the reference accepts `\\boxed{` plus any `}` but then fails to extract an unbalanced box and

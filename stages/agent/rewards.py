@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from stages.agent.answer_match import exact_match, f1_score, math_equivalent
 from stages.agent.protocol import check_format, count_tool_calls, extract_answer
-from stages.agent.scoring import exact_match, f1_score, math_equivalent
 from stages.core.registry import Registry
 
 MULTI_TOOL_BONUS = 0.1
@@ -52,8 +52,8 @@ def _answer_or_penalty(response: str) -> str | Reward:
 
 
 def reference_one(response: str, ground_truth: str) -> Reward:
-    """research/arpo.md 6.1: -1 bad format or no extractable answer; 0 if F1 = 0; F1 otherwise, +0.1 when F1 > 0
-    and both search and python were called."""
+    """The reference reward (docs/reference.md "Reward"): -1 bad format or no extractable answer; 0 if F1 = 0;
+    F1 otherwise, +0.1 when F1 > 0 and both search and python were called."""
     answer = _answer_or_penalty(response)
     if isinstance(answer, Reward):
         return answer

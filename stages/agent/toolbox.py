@@ -7,8 +7,13 @@
 
 Over a per-tool or total limit, on an empty argument, a repeated search query or an unavailable tool, the
 call is not run and `result.text` says why (the model reads it inside <result>); `result.meta["rejected"]`
-names the reason. Successful results of the tools in `agent.cache.tools` are cached in SQLite. The tools
+names the reason. Successful results of the tools in `agent.cache.tools` are cached in SQLite; a failure is
+never cached, an infrastructure failure least of all (the next call must reach the provider again). The tools
 themselves come from the tool registry (stages/agent/tools.py): the ToolBox knows no tool by name.
+
+`result.fault` says whose failure a failed call is: `model` (its rejections, its code's errors, its empty or
+malformed calls) or `infra` (the provider, server or sandbox failed; an unexpected exception inside a tool too:
+a bug of ours is not the policy's fault). `metrics()` counts the infra ones as `infra_failures`.
 
 Whatever text the model wrote, `execute` returns a ToolResult and never raises: lone surrogates (which JSON
 decoders produce from `"\\ud800"`) become U+FFFD before any tool sees the argument, and an unexpected failure of
@@ -29,9 +34,9 @@ from pathlib import Path
 from typing import Self
 
 from stages.agent.cache import ToolCache
-from stages.agent.prompts import template_tools
+from stages.agent.prompt_templates import template_tools
 from stages.agent.protocol import LIMIT_MESSAGES, REPEAT_MESSAGE, ToolCall
-from stages.agent.tools import MISS_MESSAGE, TOOLS, CallState, Tool, ToolEnv, tool_names
+from stages.agent.tools import INFRA, MISS_MESSAGE, MODEL, TOOLS, CallState, Fault, Tool, ToolEnv, tool_names
 from stages.core.config.agent import AgentSection
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef
@@ -61,6 +66,12 @@ class ToolResult:
     latency_s: float
     cached: bool
     meta: dict = field(default_factory=dict)
+    fault: Fault | None = None  # None on success; model | infra on a failure (stages/agent/tools.py)
+
+    @property
+    def infra(self) -> bool:
+        """The environment failed this call (provider, server, sandbox): not the policy's doing."""
+        return self.fault == INFRA
 
 
 class ToolBox:
@@ -142,14 +153,15 @@ class ToolBox:
             reason, argument = self._admit(call, state)
         if reason is not None:
             result = ToolResult(call.tool, self._rejection_text(reason, call.tool), False,
-                                time.monotonic() - start, False, {"rejected": reason})
+                                time.monotonic() - start, False, {"rejected": reason}, MODEL)
         else:
             try:
                 result = self._cached_or_run(call.tool, argument, state, start)
             except Exception as err:  # a rollout must survive any input; the log keeps the bug
                 log.exception("%s tool failed on a %d-character argument", call.tool, len(argument))
                 result = ToolResult(call.tool, TOOL_FAILED.format(tool=call.tool, error=type(err).__name__), False,
-                                    time.monotonic() - start, False, {"error": repr(err), "internal_error": True})
+                                    time.monotonic() - start, False, {"error": repr(err), "internal_error": True},
+                                    INFRA)
         self._record(result)
         return result
 
@@ -162,9 +174,9 @@ class ToolBox:
             if hit is not None:
                 return ToolResult(name, hit["text"], True, time.monotonic() - start, True, hit.get("meta", {}))
         out = tool.run(argument, state)
-        if use_cache and tool.cacheable(out):
+        if use_cache and out.ok and tool.cacheable(out):  # never a failure, whatever a tool's cacheable says
             self.cache.put(*key, {"text": out.text, "meta": out.meta})
-        return ToolResult(name, out.text, out.ok, time.monotonic() - start, False, out.meta)
+        return ToolResult(name, out.text, out.ok, time.monotonic() - start, False, out.meta, out.fault)
 
     def execute_many(self, items: list[tuple[ToolCall, CallState]]) -> list[ToolResult]:
         """Run calls concurrently (`agent.concurrency` at once); results in the order of `items`."""
@@ -189,9 +201,11 @@ class ToolBox:
                 stats[f"{prefix}latency_max_s"] = max(stats[f"{prefix}latency_max_s"], result.latency_s)
             stats["search_misses"] += bool(result.meta.get("miss"))
             stats["internal_errors"] += bool(result.meta.get("internal_error"))
+            stats["infra_failures"] += result.infra
+            stats[f"{tool}_infra_failures"] += result.infra
 
     def metrics(self) -> dict[str, float]:
-        """calls, errors, rejections, latency mean/max (overall and per tool), cache hits/misses."""
+        """calls, errors, infra_failures, rejections, latency mean/max (overall and per tool), cache hits/misses."""
         with self._lock:
             out = dict(self._stats)
         for prefix in ["", *(f"{t}_" for t in tool_names())]:
@@ -200,6 +214,7 @@ class ToolBox:
                 out[f"{prefix}latency_mean_s"] = out.pop(f"{prefix}latency_sum_s") / calls
         out.setdefault("calls", 0.0)
         out.setdefault("errors", 0.0)
+        out.setdefault("infra_failures", 0.0)
         out.update(self.cache.stats() if self.cache else {"cache_hits": 0.0, "cache_misses": 0.0})
         return out
 

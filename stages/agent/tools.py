@@ -2,7 +2,7 @@
 
 A tool is a `Tool` subclass registered with `@TOOLS.register("<name>")`; its settings are the `agent.<section>`
 config section it names. Everything else follows from the registry: the protocol's tags `<name>…</name>` and
-stop strings (stages.agent.protocol), which tools a prompt template offers (stages.agent.prompts), the ToolBox's
+stop strings (stages.agent.protocol), which tools a prompt template offers (stages.agent.prompt_templates), the ToolBox's
 admission (`agent.limits.max_<name>` when that field exists), cache entries and per-tool metrics.
 
     @TOOLS.register("calculator")
@@ -15,22 +15,30 @@ admission (`agent.limits.max_<name>` when that field exists), cache entries and 
 Built-in tools register here, in protocol order (search first: the reference checks its tags first). A tool
 must never raise on model input: the ToolBox turns an exception into a tool error anyway, but a tool knows
 better what to tell the model.
+
+Whose failure a failed call is (`ToolOutput.fault`): `model` when the call itself caused it (an exception in the
+model's code, a time or memory limit its code hit, a malformed or empty call, a query the backend has no answer
+for), `infra` when the environment failed it (the search provider answered an error, a rate limit or a timeout
+after the retries, the retrieval server is down, the sandbox could not start or died under the call). A tool
+that fails for a reason that is not the model's must say `fault="infra"`: RL keeps trajectories touched by such
+a result out of the loss and evaluation retries their samples (docs/agent.md, Whose failure is it).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+from stages.core.codeversion import class_code_version
 from stages.core.config.agent import AgentSection
-from stages.core.fingerprint import code_version, hash_value
+from stages.core.fingerprint import hash_value
 from stages.core.registry import Registry
 
 MISS_MESSAGE = "No recorded search result for this query."
 SEARCH_FAILED = "The search tool failed for this query. Try again later or continue without it."
-SANDBOX_MODULES = ("stages.agent.sandbox", "stages.agent.sandbox_isolation", "stages.agent.sandbox_os",
-                   "stages.agent.sandbox_runner", "stages.agent.sandbox_spec", "stages.agent.sandbox_zygote")
+MODEL, INFRA = "model", "infra"
+Fault = Literal["model", "infra"]
 
 
 @dataclass
@@ -53,6 +61,13 @@ class ToolOutput:
     text: str
     ok: bool
     meta: dict[str, Any] = field(default_factory=dict)
+    fault: Fault | None = None  # a failed call: whose failure (None on success; unset on a failure = "model")
+
+    def __post_init__(self) -> None:
+        if self.ok and self.fault is not None:
+            raise ValueError(f"a successful tool output has no fault, got fault={self.fault!r}")
+        if not self.ok and self.fault is None:
+            object.__setattr__(self, "fault", MODEL)
 
 
 @dataclass(frozen=True)
@@ -95,8 +110,10 @@ class Tool:
         return None
 
     def version(self) -> str:
-        """Code and settings that change what a call returns: a cached result is reused only under the same."""
-        return code_version(type(self).__module__)
+        """Code and settings that change what a call returns: a cached result is reused only under the same. The
+        code is the tool class's own and that of every module its body imports (stages.core.codeversion), not the
+        rest of this module."""
+        return class_code_version(type(self))
 
     def backend_id(self) -> str:
         """Which data answers (a corpus, an interpreter): part of the cache key beside the version."""
@@ -143,11 +160,11 @@ class SearchTool(Tool):
         return argument.casefold()
 
     def version(self) -> str:
-        modules = ["stages.agent.search.base"]
-        if self.backend.name in ("local", "server", "web", "replay"):
-            modules.append(f"stages.agent.search.{self.backend.name}")
+        """This class's code and the code of the backend that answers (its module and what that imports), not the
+        other backends: a change in the local index code keeps paid web results."""
         s = self.cfg.search
-        return hash_value(code_version(*modules), s.top_k, s.max_chars_per_passage)
+        return hash_value(class_code_version(type(self), (type(self.backend).__module__,)), s.top_k,
+                          s.max_chars_per_passage)
 
     def backend_id(self) -> str:
         return f"{self.backend.name}:{self.backend.corpus_id}"
@@ -158,10 +175,10 @@ class SearchTool(Tool):
         s = self.cfg.search
         try:
             passages = self.backend.search(argument, s.top_k)
-        except SearchMiss as miss:
-            return ToolOutput(MISS_MESSAGE, False, {"miss": True, "error": str(miss)})
-        except SearchError as err:
-            return ToolOutput(SEARCH_FAILED, False, {"error": str(err)})
+        except SearchMiss as miss:  # the recorded answers do not cover this query: retrying cannot change that
+            return ToolOutput(MISS_MESSAGE, False, {"miss": True, "error": str(miss)}, MODEL)
+        except SearchError as err:  # provider or server failed after the backend's retries
+            return ToolOutput(SEARCH_FAILED, False, {"error": str(err)}, INFRA)
         return ToolOutput(format_passages(passages, s.max_chars_per_passage), True, {"ids": [p.id for p in passages]})
 
     def close(self) -> None:
@@ -178,7 +195,7 @@ class PythonTool(Tool):
 
     def __init__(self, cfg: AgentSection, env: ToolEnv) -> None:
         from stages.agent.inference_tools import CodeDebugger, HelperLLM
-        from stages.agent.sandbox import PythonSandbox
+        from stages.agent.sandbox.executor import PythonSandbox
 
         super().__init__(cfg, env)
         self.sandbox = PythonSandbox(cfg.python)
@@ -191,7 +208,7 @@ class PythonTool(Tool):
         """The sandbox's code and everything that changes what a call prints: the isolation mode actually in use
         (a host file readable under rlimit is not under bwrap), limits, seed, preloads, interpreter and its
         package versions (PythonSandbox.identity)."""
-        return hash_value(code_version(*SANDBOX_MODULES), self.sandbox.identity())
+        return hash_value(class_code_version(type(self)), self.sandbox.identity())
 
     def backend_id(self) -> str:
         return f"sandbox:{self.sandbox.mode}:{self.sandbox.executable}"
@@ -199,7 +216,8 @@ class PythonTool(Tool):
     def run(self, argument: str, state: CallState) -> ToolOutput:
         result = self.sandbox.run(argument)
         meta = {**result.meta, "status": result.status}
-        if not result.ok and self.debugger is not None and result.status in ("error", "timeout", "cpu_limit"):
+        if not result.ok and not result.infra and self.debugger is not None and \
+                result.status in ("error", "timeout", "cpu_limit"):
             with self._lock:  # one trajectory's calls may run at once (execute_many)
                 allowed = state.scratch.get("python_debug", 0) < self.cfg.inference.max_debug
                 state.scratch["python_debug"] = state.scratch.get("python_debug", 0) + allowed
@@ -207,7 +225,10 @@ class PythonTool(Tool):
             if fixed is not None:
                 result = self.sandbox.run(fixed)
                 meta = {**result.meta, "status": result.status, "debugged": True, "debug_code": fixed}
-        return ToolOutput(result.text, result.ok, meta)
+            if allowed:  # a debugger use, counted by the text loop (Tool-Star: no rollback after it)
+                meta["debug_attempted"] = True
+        fault = None if result.ok else (INFRA if result.infra else MODEL)
+        return ToolOutput(result.text, result.ok, meta, fault)
 
     def cacheable(self, output: ToolOutput) -> bool:
         return output.ok and not output.meta.get("debugged")

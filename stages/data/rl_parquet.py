@@ -79,7 +79,11 @@ def read_rl_parquet(path: str | Path, fix_backspace_boxed: bool = True, limit: i
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"RL parquet {path} does not exist; set data.train_path / data.valid_path")
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise BadInputError(f"{path} is not a readable parquet file ({str(err).splitlines()[0]}); convert it to "
+                            "parquet in the verl RL schema or fix data.train_path / data.valid_path") from err
     missing = {"prompt", "reward_model"} - set(table.column_names)
     if missing:
         raise DatasetRowError(path, 0, f"missing columns {sorted(missing)} (has {table.column_names}); "

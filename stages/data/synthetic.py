@@ -6,6 +6,11 @@
 - arith (optional, `n_arith`): one product of two `arith_digits`-digit numbers, answered with one python call.
   The smallest family a 135M policy can learn with its tool (copy the numbers into code, copy the output into
   the answer); kind "math", id "arith-NNNN". Used by bench/bench_learning.py.
+- chain (optional, `n_chain`): two dependent tool calls. "How many years passed from the year <person> was born
+  (<company> / the city of <city> was founded) to 2025?": the year exists only in the generated corpus, so the
+  first call is a search for the name, and the second is python on the year that search returned
+  (`print(2025 - 1957)`; a 135M model does not subtract reliably in its head). Kind "chain", id "chain-NNNN";
+  the task carries the hop (query, document, fact) and the reference code. Used by bench/bench_learning.py.
 - qa: two-hop questions about fictional people, cities and companies. The facts exist only in the generated
   corpus (FlashRAG JSONL, `{"id", "contents"}` with the title on the first line), so only search answers them.
   Each task carries its hops: the query to issue and the document that answers it.
@@ -37,7 +42,7 @@ class Hop:
 @dataclass(frozen=True)
 class Task:
     id: str
-    kind: str  # "math" | "qa"
+    kind: str  # "math" | "qa" | "chain"
     question: str
     answer: str
     split: str = "train"
@@ -158,6 +163,30 @@ def _arith_task(rng: random.Random, index: int, digits: int) -> Task:
                 solution_code=f"print({a} * {b})")
 
 
+def _chain_tasks(rng: random.Random, n: int, people: list[dict], cities: list[dict], companies: list[dict],
+                 corpus: list[dict[str, str]], year: int) -> list[Task]:
+    entities = ([("person", p) for p in people] + [("company", c) for c in companies] +
+                [("city", c) for c in cities])
+    if n > len(entities):
+        raise ValueError(f"data.synthetic.n_chain={n} exceeds the {len(entities)} people, companies and cities of "
+                         "the generated world (one question each); raise data.synthetic.n_entities (people; cities "
+                         "and companies are a third of it each) or lower n_chain")
+    rng.shuffle(entities)
+    return [_chain_task(i, kind, entity, corpus, year) for i, (kind, entity) in enumerate(entities[:n])]
+
+
+def _chain_task(index: int, kind: str, entity: dict, corpus: list[dict[str, str]], year: int) -> Task:
+    name = entity["name"]
+    if kind == "person":
+        value, subject, event = entity["born_year"], name, "born"
+    else:
+        value, subject, event = entity["founded"], name if kind == "company" else f"the city of {name}", "founded"
+    return Task(id=f"chain-{index:04d}", kind="chain",
+                question=f"How many years passed from the year {subject} was {event} to {year}?",
+                answer=str(year - value), solution_code=f"print({year} - {value})",
+                hops=(Hop(name, _doc_id(corpus, name), f"{event} in {value}"),))
+
+
 def _count_primes_below(n: int) -> int:
     sieve = bytearray([1]) * n
     sieve[:2] = b"\x00\x00"[: min(2, n)]
@@ -179,6 +208,8 @@ def generate(cfg: SyntheticSection) -> SyntheticSet:
               for i, (person, pattern) in enumerate(combos[: cfg.n_qa])]
     # drawn after every other family, so n_arith = 0 leaves the other tasks byte for byte as before
     tasks += [_arith_task(rng, i, cfg.arith_digits) for i in range(cfg.n_arith)]
+    if cfg.n_chain:  # drawn last, so n_chain = 0 leaves the other families byte for byte as before
+        tasks += _chain_tasks(rng, cfg.n_chain, people, cities, companies, corpus, cfg.chain_year)
     rng.shuffle(tasks)
     tasks = _dedupe(tasks)
     n_test = round(len(tasks) * cfg.test_fraction)

@@ -86,7 +86,8 @@ def completions_generator(client: Any, settings: LoopSettings, prompt: str, seed
 
 
 async def run_sample(client: Any, settings: LoopSettings, prompt: str, box: Any, seed: int,
-                     state: SampleState) -> None:
-    """Run the loop to the end, updating `state` as it goes (the caller applies the timeout)."""
+                     state: SampleState, aids: Any = None) -> None:
+    """Run the loop to the end, updating `state` as it goes (the caller applies the timeout); `aids`: Tool-Star's
+    rollback and refiner (stages.agent.inference_tools.LoopAids), None when both are off."""
     await run_text_loop(completions_generator(client, settings, prompt, seed), box, settings.rules,
-                        settings.budget, state)
+                        settings.budget, state, aids)

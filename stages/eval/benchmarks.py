@@ -30,7 +30,7 @@ from stages.core.registry import Registry
 log = get_logger(__name__)
 
 TASK_TYPES = ("math", "qa")
-# The per-sample metric the papers report per benchmark (research/arpo.md 8.3, ARPO issue #60): F1 for the
+# The per-sample metric the papers report per benchmark (ARPO issue #60; docs/reference.md "Evaluation"): F1 for the
 # knowledge-QA sets of Table 1, the judge's llm_equal for math, WebWalker and the deep-search sets (Table 2).
 HEADLINES = ("llm_equal", "f1")
 
@@ -89,7 +89,7 @@ def gold_plain(value: Any) -> tuple[str, ...]:
 @GOLD_PARSERS.register("list")
 def gold_list(value: Any) -> tuple[str, ...]:
     """Aliases: a JSON list, a string holding a Python list ("['Frank Lowy']"), or one plain string."""
-    from stages.agent.scoring import parse_gold
+    from stages.agent.answer_match import parse_gold
 
     if isinstance(value, (list, tuple)):
         golds = [str(v).strip() for v in value]
@@ -156,7 +156,7 @@ _SPECS = [
     BenchmarkSpec("synthetic", "mixed", "generated", (), "question", 200, id_field="id", gold="plain",
                   search_backend="local", meta_fields=("kind",)),
 ]
-BENCHMARKS: dict[str, BenchmarkSpec] = {spec.name: spec for spec in _SPECS}
+BENCHMARKS: Registry[BenchmarkSpec] = Registry("benchmark", {spec.name: spec for spec in _SPECS})
 
 
 @dataclass(frozen=True)
@@ -169,15 +169,7 @@ class LoadedBenchmark:
 
 
 def get_spec(name: str) -> BenchmarkSpec:
-    if name not in BENCHMARKS:
-        import difflib
-
-        from stages.core.registry import UnknownNameError
-
-        close = difflib.get_close_matches(name, BENCHMARKS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise UnknownNameError(f"unknown benchmark {name!r}.{hint} Known: {sorted(BENCHMARKS)}")
-    return BENCHMARKS[name]
+    return BENCHMARKS.get(name)
 
 
 def headline_metric(name: str) -> str:
@@ -189,7 +181,7 @@ def prompt_template_for(spec: BenchmarkSpec, run_template: str, use_own: bool = 
     """The system prompt a benchmark runs with: its own where the reference used one (xbench goes through the
     reference's Chinese inference script with the Chinese `code_search_cn` prompt) when it offers the same tools
     as the run's `agent.prompt_template`, else the run's."""
-    from stages.agent.prompts import template_tools
+    from stages.agent.prompt_templates import template_tools
 
     own = spec.prompt_template
     if not use_own or own is None or own == run_template:
@@ -201,13 +193,17 @@ def prompt_template_for(spec: BenchmarkSpec, run_template: str, use_own: bool = 
     return own
 
 
-def check_benchmarks(names: list[str], data_root: str | Path) -> None:
-    """Fail before any work when a benchmark is unknown or its file is missing (and no hub copy can stand in),
-    naming every file tried. `synthetic` comes from the data stage and is not checked here."""
+def check_benchmarks(names: list[str], data_root: str | Path, cap: int | None = None) -> None:
+    """Fail before any work when a benchmark is unknown, its file is missing (and no hub copy can stand in), naming
+    every file tried, or a row it would use is malformed (naming file and line). `synthetic` comes from the data
+    stage and is not checked here."""
     missing = []
     for name in names:
         spec = get_spec(name)
-        if spec.name == "synthetic" or _existing_file(spec, Path(data_root)) is not None:
+        if spec.name == "synthetic":
+            continue
+        if _existing_file(spec, Path(data_root)) is not None:
+            load_benchmark(name, data_root, cap)  # every row the run would use, as inference reads it
             continue
         if spec.hub is not None and not _offline():
             continue
@@ -280,6 +276,11 @@ def _read_rows(spec: BenchmarkSpec, data_root: Path, synthetic_path: str | Path 
     raise MissingInputError(_missing_message(spec, data_root))
 
 
+def local_file(name: str, data_root: str | Path) -> Path | None:
+    """The benchmark's file under `data_root`, None when it is not on this machine (no hub look-up)."""
+    return _existing_file(get_spec(name), Path(data_root))
+
+
 def _existing_file(spec: BenchmarkSpec, data_root: Path) -> Path | None:
     return next((data_root / rel for rel in spec.files if (data_root / rel).is_file()), None)
 
@@ -300,9 +301,16 @@ def _read_json_lines(path: Path) -> list[dict[str, Any]]:
     """JSON lines (also under a .json name, as HLE's top.json), or one JSON array; bad lines name file and line."""
     if not path.is_file():
         raise MissingInputError(f"benchmark file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise BadInputError(f"benchmark file {path} cannot be read as UTF-8 text ({err}); fix or replace it") from err
     if text.lstrip().startswith("["):
-        rows = json.loads(text)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise BadInputError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); a file starting with '[' must be "
+                                "one JSON list of rows") from err
     else:
         rows = []
         for lineno, line in enumerate(text.splitlines(), start=1):

@@ -5,6 +5,12 @@ the predictions contract (docs/eval.md). Finished samples are appended to `predi
 line at a time (flushed and fsynced), so a rerun after a crash runs only the missing (id, sample) pairs;
 the final file is written atomically once every pair is done. Samples that could not reach the server
 are not written, and the stage then fails naming how many, so the next run retries exactly those.
+
+A sample whose tool calls hit an infrastructure failure (the search provider, retrieval server or sandbox failed:
+`ToolResult.fault == "infra"`) is not the model's answer: its row says so (`infra_failures`, `infra_errors`), the
+stage completes (scoring leaves it out of the metrics and the report lists it), and the marker records how many
+(`infra_failed`). The next call on a folder with such rows reopens it (`reopen_infra_failed`): every other row is
+kept as finished, and only those samples run again (the pipeline's rerun does this: stages/eval/reuse.py).
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from stages.core.atomic import write_json, write_jsonl
+from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import EvalSection
-from stages.core.fingerprint import code_version, hash_value
+from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.core.reporter import track
@@ -32,7 +39,6 @@ log = get_logger(__name__)
 STAGE = "eval-infer"
 FINAL = "predictions.jsonl"
 PARTIAL = "predictions.partial.jsonl"
-CODE = ("stages.eval.inference", "stages.eval.agent_loop", "stages.eval.benchmarks", "stages.agent")
 GENERATION_KEYS = {"data_root", "max_questions", "samples", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "max_tokens", "max_total_tokens", "sample_timeout_s", "max_python",
                    "max_search", "benchmark_prompts"}
@@ -68,13 +74,13 @@ def inference_key(cfg: EvalSection, agent: AgentSection, benchmark: str, content
     """What the predictions depend on: the generation settings (not the judge, pass@k or bootstrap, which only
     rescore), the agent, the benchmark's content, the model, what answers at the endpoint (served name + weights,
     never its URL) and the sampling extras it accepts, the corpus, the prompt and the code."""
-    from stages.agent.prompts import system_prompt
+    from stages.agent.prompt_templates import system_prompt
 
     corpus = agent.search.corpus_path or (data.fingerprint if "corpus" in data.files else None)
     template = benchmark_template(cfg, agent, benchmark)
     return hash_value(cfg.model_dump(include=GENERATION_KEYS), eval_agent(cfg, agent), benchmark, content_hash,
                       model.fingerprint, endpoint.identity, corpus, sampling_extras(cfg, endpoint), template,
-                      system_prompt(template), code_version(*CODE))
+                      system_prompt(template), code_version(__name__))
 
 
 def load(cfg: EvalSection, benchmark: str, data: DatasetRef) -> Any:
@@ -122,15 +128,38 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
     final = out.path / FINAL
     if not out.complete:
         started = time.monotonic()
+    if out.complete and out.marker().get("infra_failed"):
+        reopen_infra_failed(out.path)
+    if not out.complete:
+        started = time.monotonic()
         rows, ran = asyncio.run(_infer_all(cfg, agent, loaded, model, endpoint, data, out.path, Path(cache_root)))
         write_jsonl(final, [row.model_dump() for row in rows])
         (out.path / PARTIAL).unlink(missing_ok=True)
-        write_json(out.path / "summary.json", summarize(rows, ran, time.monotonic() - started, loaded, endpoint))
-        out.finish(content=final, rows=len(rows))
+        summary = summarize(rows, ran, time.monotonic() - started, loaded, endpoint)
+        write_json(out.path / "summary.json", summary)
+        if summary["infra_failed"]:
+            log.warning("%s: %d of %d answers hit a tool infrastructure failure (e.g. %s); they are left out of the "
+                        "metrics, and the next run retries only them", benchmark, summary["infra_failed"], len(rows),
+                        next(r.infra_errors for r in rows if r.infra_failures)[:1])
+        out.finish(content=final, rows=len(rows), infra_failed=summary["infra_failed"])
     summary = json.loads((out.path / "summary.json").read_text())
     return PredictionsRef(path=str(final), fingerprint=out.fingerprint, benchmark=benchmark,
-                          meta={k: summary[k] for k in ("rows", "items", "samples", "benchmark_hash", "model",
-                                                        "timed_out", "errors")})
+                          meta={k: summary.get(k, 0) for k in ("rows", "items", "samples", "benchmark_hash", "model",
+                                                               "timed_out", "errors", "infra_failed")})
+
+
+def reopen_infra_failed(folder: Path) -> int:
+    """Make a finished folder resumable with its infra-failed samples missing: the other rows become the partial
+    file, the marker goes (a crash in between reopens again). Returns how many samples will run again."""
+    from stages.core.workspace import MARKER
+
+    rows = [json.loads(line) for line in (folder / FINAL).read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [row for row in rows if not row.get("infra_failures")]
+    write_jsonl(folder / PARTIAL, kept)
+    (folder / MARKER).unlink()
+    log.info("%s: %d answers hit an infrastructure failure last time; running only those again", folder,
+             len(rows) - len(kept))
+    return len(rows) - len(kept)
 
 
 def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef
@@ -138,6 +167,7 @@ def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, e
     return {"rows": len(rows), "items": len(loaded.items), "samples": len({r.sample for r in rows}),
             "benchmark": loaded.spec.name, "benchmark_hash": loaded.content_hash, "model": endpoint.model,
             "timed_out": sum(r.timed_out for r in rows), "errors": sum(r.error is not None for r in rows),
+            "infra_failed": sum(r.infra_failures > 0 for r in rows),
             "ran_this_time": ran, "wall_s": round(wall_s, 3),
             "samples_per_s": round(ran / wall_s, 4) if wall_s > 0 else None,
             "mean_total_s": round(sum(r.timing["total_s"] for r in rows) / max(len(rows), 1), 3)}
@@ -145,7 +175,7 @@ def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, e
 
 async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: ModelRef, endpoint: EndpointRef,
                      data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[PredictionRow], int]:
-    from stages.agent.prompts import build_messages
+    from stages.agent.prompt_templates import build_messages
     from stages.agent.toolbox import ToolBox, corpus_path
     from stages.eval.serving import async_client
 
@@ -165,13 +195,14 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
         settings = loop_settings(cfg, endpoint)
         gate = asyncio.Semaphore(cfg.concurrency)
         template = benchmark_template(cfg, agent, name)
+        aids_for = loop_aids(agent, endpoint, tokenizer)
 
         async def one(item: Any, sample: int) -> PredictionRow | None:
             async with gate:
                 prompt = tokenizer.apply_chat_template(build_messages(item.question, template),
                                                        tokenize=False, add_generation_prompt=True)
                 return await infer_sample(client, settings, cfg.sample_timeout_s, prompt, box, item, sample,
-                                          name, loaded.content_hash, failures)
+                                          name, loaded.content_hash, failures, aids_for(prompt, item.question))
 
         try:
             with open(folder / PARTIAL, "a", encoding="utf-8") as handle, track(  # noqa: ASYNC230
@@ -193,6 +224,20 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
     return sorted(done.values(), key=lambda r: (order[r.id], r.sample)), len(todo)
 
 
+def loop_aids(agent: AgentSection, endpoint: EndpointRef, tokenizer: Any) -> Any:
+    """(prompt, question) -> the sample's Tool-Star rollback / refiner (None when both are off). The refiner's
+    helper LLM is agent.inference.llm_url/llm_model, else the served policy (as the debugger's)."""
+    from stages.agent.inference_tools import HelperLLM, LoopAids, Refiner
+
+    tools = agent.inference
+    if not (tools.rollback or tools.refiner):
+        return lambda prompt, question: None
+    refiner = Refiner(HelperLLM.from_config(tools, endpoint.url, endpoint.model), tools.refine_threshold_tokens) \
+        if tools.refiner else None
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    return lambda prompt, question: LoopAids(tools, refiner, count, prompt, question)
+
+
 def loop_settings(cfg: EvalSection, endpoint: EndpointRef) -> LoopSettings:
     return LoopSettings(model=endpoint.model, max_tokens=cfg.max_tokens, max_total_tokens=cfg.max_total_tokens,
                         temperature=cfg.temperature, top_p=cfg.top_p, extras=sampling_extras(cfg, endpoint),
@@ -200,7 +245,8 @@ def loop_settings(cfg: EvalSection, endpoint: EndpointRef) -> LoopSettings:
 
 
 async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, prompt: str, box: Any, item: Any,
-                       sample: int, benchmark: str, benchmark_hash: str, failures: list[str]) -> PredictionRow | None:
+                       sample: int, benchmark: str, benchmark_hash: str, failures: list[str],
+                       aids: Any = None) -> PredictionRow | None:
     """One sample as a predictions row; None (and a note in `failures`) when the server could not be reached."""
     import openai
 
@@ -210,7 +256,7 @@ async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, pr
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            await run_sample(client, settings, prompt, box, sample_seed(benchmark, item.id, sample), state)
+            await run_sample(client, settings, prompt, box, sample_seed(benchmark, item.id, sample), state, aids)
     except TimeoutError:
         timed_out, state.finish_reason = True, "timeout"
     except (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError) as err:
@@ -222,12 +268,16 @@ async def infer_sample(client: Any, settings: LoopSettings, timeout_s: float, pr
         else:
             error, state.finish_reason = f"{type(err).__name__}: {err.message}", "error"
     timing = {k: round(v, 4) for k, v in state.timing.items()} | {"total_s": round(time.monotonic() - start, 4)}
+    infra = [r for r in state.results if getattr(r, "fault", None) == "infra"]
     return PredictionRow(id=item.id, benchmark=benchmark, sample=sample, question=item.question,
                          golds=list(item.golds), task_type=item.task_type, prediction=extract_answer(state.output),
                          output=state.output, finish_reason=state.finish_reason,
                          tool_calls=count_tool_calls(state.output), timing=timing, timed_out=timed_out, error=error,
                          model=settings.model, benchmark_hash=benchmark_hash,
-                         completion_tokens=state.completion_tokens, llm_calls=state.llm_calls, meta=dict(item.meta))
+                         completion_tokens=state.completion_tokens, llm_calls=state.llm_calls,
+                         inference_tools=dict(state.inference_tools), infra_failures=len(infra),
+                         infra_errors=[f"{r.tool}: {r.meta.get('error') or r.text}"[:300] for r in infra[:3]],
+                         meta=dict(item.meta))
 
 
 def load_tokenizer(model: ModelRef) -> Any:

@@ -1,6 +1,6 @@
 """LLM-as-judge over any OpenAI-compatible endpoint, with the reference's prompt and parse rule.
 
-Prompt (research/arpo.md 8.3, ARPO `llm_evaluator_sds.py`): the question, the golden answer(s) and the predicted
+Prompt (ARPO `llm_evaluator_sds.py`; docs/reference.md "Evaluation"): the question, the golden answer(s) and the predicted
 answer; the judge replies "Correct" or "Incorrect". Parse: an optional `<judgment>...</judgment>` span is read
 if present, else the whole reply (with any `<think>...</think>` block dropped first, so a reasoning judge's
 musings do not count); the reply says correct iff it contains "correct" and none of "incorrect", "wrong",

@@ -49,14 +49,6 @@ def mean_Q(score_QN: np.ndarray) -> np.ndarray:
     return _matrix(score_QN).mean(axis=1)
 
 
-def aggregate_for(name: str) -> Callable[[np.ndarray], np.ndarray]:
-    """`mean` or `pass@K` (any K) as a per-question function."""
-    if name.startswith("pass@"):
-        k = int(name.removeprefix("pass@"))
-        return lambda correct_QN: pass_at_k_Q(correct_QN, k)
-    return AGGREGATES.get(name)
-
-
 def bootstrap_ci(value_Q: np.ndarray, samples: int = 1000, confidence: float = 0.95,
                  seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of mean(value_Q), resampling questions with replacement."""

@@ -7,7 +7,9 @@ math_equal / F1 and the column says so); pass@k columns count a binary verdict (
 with a judge, else math_equal / EM) with the unbiased estimator; `[lo, hi]` are seeded bootstrap intervals over
 questions. A published number goes into `paper accuracy` / `paper pass@k` only when it measures the same thing
 as our column beside it; otherwise it is listed under `paper (other metric)`. The judge's own figure
-(`llm_equal`) and its agreement with the rules sit next to the headline.
+(`llm_equal`) and its agreement with the rules sit next to the headline. `provider failures` counts the answers
+whose tool calls hit an infrastructure failure (search provider, retrieval server, sandbox): they are left out of
+the metrics with the rest of their question's samples, listed under their own heading, and retried by the next run.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import pandas as pd
 import yaml
 
 from stages.core.atomic import write_text
+from stages.core.codeversion import code_version
 from stages.core.config.eval import EvalSection
-from stages.core.fingerprint import code_version, hash_path, hash_value
+from stages.core.fingerprint import hash_path, hash_value
 from stages.core.refs import Ref, ScoresRef
 from stages.core.workspace import stage_dir
 
@@ -28,7 +31,7 @@ STAGE = "eval-report"
 REFERENCE_FILE = Path(__file__).with_name("reference_numbers.yaml")
 _HEADLINE = ("benchmark", "questions", "samples", "metric", "accuracy", "accuracy ci", "paper accuracy",
              "pass@k verdict", "llm_equal", "judge_rule_agreement", "em", "f1", "paper (other metric)", "published",
-             "tool_calls", "tool_productivity")
+             "tool_calls", "tool_productivity", "debug_uses", "rollback_uses", "refine_uses", "provider failures")
 _RATES = ("em", "f1", "acc", "math_equal", "llm_equal", "tool_use_rate", "judge_rule_agreement")
 
 
@@ -77,8 +80,9 @@ def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame,
             row[key] = None if value is None else 100 * value
         row |= other
         for key in ("tool_calls", "python_calls", "search_calls", "tool_productivity", "num_valid_answer",
-                    "timed_out", "errors"):
+                    "timed_out", "errors", "debug_uses", "rollback_uses", "refine_uses"):
             row[key] = summary.get(key)
+        row["provider failures"] = summary.get("infra_failed_answers", 0)
         row["benchmark_hash"] = summary["benchmark_hash"]
         rows.append(row)
     return rows
@@ -93,8 +97,10 @@ def progress_rows(benchmarks: list[str], summaries: dict[str, dict[str, Any]]) -
             rows.append({"benchmark": name, "status": "running"})
             continue
         metrics = {k: round(100 * v["value"], 2) for k, v in summary["metrics"].items()}
+        failed = summary.get("infra_failed_answers", 0)
         rows.append({"benchmark": name, "status": "scored", "questions": summary["questions"],
-                     "samples": summary["samples_per_question"], "metric": summary["accuracy_metric"], **metrics})
+                     "samples": summary["samples_per_question"], "metric": summary["accuracy_metric"], **metrics,
+                     **({"provider failures": failed} if failed else {})})
     return rows
 
 
@@ -129,7 +135,9 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
               f"F1 for HotpotQA, 2Wiki, MuSiQue, Bamboogle; llm_equal, the judge, for the others; without a judge "
               f"math_equal / F1 stand in and the column says so). pass@k counts the `pass@k verdict` with the "
               f"unbiased estimator. `paper ...` columns hold published numbers of the same metric only; others are "
-              f"under `paper (other metric)`. `llm_equal` is the judge beside the headline. Intervals are "
+              f"under `paper (other metric)`. `llm_equal` is the judge beside the headline. `debug_uses`, "
+              f"`rollback_uses`, `refine_uses`: Tool-Star's inference-time tools used (totals over the samples; "
+              f"agent.inference). Intervals are "
               f"{confidence:.0%} bootstrap intervals over questions.")
     lines = ["# Evaluation report", "", legend, "", shown.to_markdown(index=False, missingval="-"), ""]
     if not cited.empty:
@@ -137,11 +145,30 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
     return "\n".join(lines)
 
 
+def render_infra(summaries: list[dict[str, Any]]) -> list[str]:
+    """One line per benchmark whose answers hit a provider (infrastructure) failure; nothing when none did."""
+    hit = [s for s in summaries if s.get("infra_failed_answers")]
+    if not hit:
+        return []
+    lines = ["## Answers that hit a provider failure", "",
+             "A tool call of these answers failed in the environment (search provider, retrieval server or sandbox), "
+             "not by the model's doing. They are not scored wrong: their questions are left out of the metrics above, "
+             "and the next run of the pipeline retries only these samples.", ""]
+    for s in hit:
+        shown = ", ".join(s.get("infra_failed", [])[:10])
+        more = s["infra_failed_answers"] - min(10, len(s.get("infra_failed", [])))
+        answers, questions = s["infra_failed_answers"], s["infra_failed_questions"]
+        lines.append(f"- **{s['benchmark']}**: {answers} answer{'s' * (answers != 1)} hit a provider failure "
+                     f"({questions} question{'s' * (questions != 1)} left out): {shown}"
+                     + (f" and {more} more" if more > 0 else ""))
+    return [*lines, ""]
+
+
 def report_key(cfg: EvalSection, scores: list[ScoresRef], gains: dict[str, ScoresRef] | None = None) -> str:
     """The stage's one key (its folder name and its Prefect cache key)."""
     return hash_value({"reference_setting": cfg.reference_setting, "confidence": cfg.confidence},
                       [s.fingerprint for s in scores], {k: v.fingerprint for k, v in (gains or {}).items()},
-                      hash_path(REFERENCE_FILE), code_version("stages.eval"))
+                      hash_path(REFERENCE_FILE), code_version(__name__))
 
 
 def stage_gain_rows(gains: dict[str, ScoresRef]) -> list[dict[str, Any]]:
@@ -183,7 +210,8 @@ def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | P
         table = pd.DataFrame(rows)
         write_text(out.path / "report.csv", table.to_csv(index=False))
         markdown = render_markdown(table, reference, cfg.confidence)
-        write_text(out.path / "report.md", "\n".join([markdown, *render_gains(gains or {}, cfg.confidence)]))
+        write_text(out.path / "report.md", "\n".join([markdown, *render_infra([s.meta for s in scores]),
+                                                      *render_gains(gains or {}, cfg.confidence)]))
         out.finish()
     return Ref(path=str(out.path), fingerprint=out.fingerprint,
                meta={"csv": str(out.path / "report.csv"), "markdown": str(out.path / "report.md"), "rows": rows,

@@ -8,6 +8,10 @@ sampling extras the keys hash, no live process), and checks the stage folders' c
   the judge is the policy and some judged score is missing;
 - a separate judge server is needed when the judge is enabled and some judged score is missing.
 Rule-only scoring (judge off) never needs a server.
+
+Predictions with samples that hit a tool infrastructure failure (the marker's `infra_failed`) are not finished:
+those benchmarks are listed in `retry`, the policy server starts, and the flow reruns their inference task (a
+refresh that retries only those samples, never a wipe: tasks/eval_infer.py).
 """
 
 from __future__ import annotations
@@ -36,15 +40,16 @@ class ServingNeeds(BaseModel):
     policy_endpoint: EndpointRef
     judge_endpoint: EndpointRef | None
     missing: list[str]
+    retry: list[str] = []  # benchmarks whose predictions have infra-failed samples to run again
 
 
 def _marker(output_root: str | Path, stage: str, key: str) -> Path:
     return Path(output_root).resolve() / stage / key / MARKER
 
 
-def finished_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef,
-                       endpoint: EndpointRef, data: DatasetRef, output_root: str | Path) -> str | None:
-    """The fingerprint of the benchmark's complete predictions for this endpoint identity, or None."""
+def inference_marker(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef,
+                     endpoint: EndpointRef, data: DatasetRef, output_root: str | Path) -> dict | None:
+    """The completion marker of the benchmark's predictions for this endpoint identity, or None."""
     import json
 
     from stages.eval.inference import STAGE, infer_key
@@ -55,7 +60,15 @@ def finished_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, mo
         log.info("%s: cannot tell whether inference is cached (%s); serving", benchmark, err)
         return None
     marker = _marker(output_root, STAGE, key)
-    return json.loads(marker.read_text())["fingerprint"] if marker.is_file() else None
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def finished_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef,
+                       endpoint: EndpointRef, data: DatasetRef, output_root: str | Path) -> str | None:
+    """The fingerprint of the benchmark's complete predictions for this endpoint identity, or None (also when
+    some of its samples hit an infrastructure failure: they are to run again)."""
+    marker = inference_marker(cfg, agent, benchmark, model, endpoint, data, output_root)
+    return marker["fingerprint"] if marker and not marker.get("infra_failed") else None
 
 
 def finished_scoring(cfg: EvalSection, benchmark: str, predictions_fingerprint: str, judge: EndpointRef | None,
@@ -73,14 +86,19 @@ def serving_needs(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str
     judge = planned_judge(cfg.eval.judge, policy) if score else None
     judged = judge is not None
     missing: list[str] = []
+    retry: list[str] = []
     for name in cfg.eval.benchmarks:
         done = None if "infer" in refresh else finished_inference(cfg.eval, cfg.agent, name, model, policy, data,
                                                                  root)
         if done is None:
             missing.append(f"infer:{name}")
+            marker = None if "infer" in refresh else inference_marker(cfg.eval, cfg.agent, name, model, policy,
+                                                                      data, root)
+            if marker and marker.get("infra_failed"):
+                retry.append(name)
         elif judged and ("score" in refresh or not finished_scoring(cfg.eval, name, done, judge, root)):
             missing.append(f"score:{name}")
     need_judge = judged and bool(missing)
     need_policy = any(m.startswith("infer:") for m in missing) or (need_judge and cfg.eval.judge.model == "policy")
     return ServingNeeds(policy=need_policy, judge=need_judge, policy_endpoint=policy, judge_endpoint=judge,
-                        missing=missing)
+                        missing=missing, retry=retry)

@@ -34,6 +34,12 @@ class PredictionRow(BaseModel):
     benchmark_hash: str = ""
     completion_tokens: int = 0
     llm_calls: int = 0
+    inference_tools: dict[str, int] = Field(
+        default_factory=dict, description="Tool-Star's inference-time tools used: debug, rollback, refine")
+    infra_failures: int = Field(0, ge=0, description="tool calls the environment failed (search provider, retrieval "
+                                "server, sandbox): > 0 = not the model's answer; left out of the metrics and "
+                                "retried by the next run")
+    infra_errors: list[str] = Field(default_factory=list, description="what those failures said (first 3)")
     meta: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -57,8 +63,10 @@ class ScoredSample(BaseModel):
     rule_equiv: float = 0.0
     python_calls: int
     search_calls: int
+    inference_tools: dict[str, int] = Field(default_factory=dict)
     timed_out: bool
     error: str | None
+    infra_failures: int = 0
     total_s: float
     benchmark: str
     model: str

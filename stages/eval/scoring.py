@@ -2,9 +2,13 @@
 
 `score_predictions(cfg, preds, judge, output_root, cache_root, force)` writes
 `<output_root>/eval-score/<key>/{samples.jsonl, summary.json}` and returns a ScoresRef whose `meta` is the
-summary. The key hashes the scoring-relevant config, the predictions fingerprint, the judge's identity (model
-name + weights fingerprint, never its URL), the judge prompt hash and the code version. Judge verdicts are
-cached in `<cache_root>/judge_cache.sqlite`, so a crashed or forced re-score repeats no judge call.
+summary. Answers that hit a tool infrastructure failure (a provider, server or sandbox failed; PredictionRow
+`infra_failures`) are not scored wrong: every sample of their question is left out of the metrics (pass@k needs
+all n samples of a question), and the summary lists them (`infra_failed_answers`, `infra_failed_questions`,
+`infra_failed`); the next run retries those samples. The key hashes the scoring-relevant config, the predictions
+fingerprint, the judge's identity (model name + weights fingerprint, never its URL), the judge prompt hash and the
+code version. Judge verdicts are cached in `<cache_root>/judge_cache.sqlite`, so a crashed or forced re-score
+repeats no judge call.
 """
 
 from __future__ import annotations
@@ -17,25 +21,27 @@ import numpy as np
 from pydantic import ValidationError
 
 from stages.core.atomic import read_jsonl, write_json, write_jsonl
+from stages.core.codeversion import code_version
 from stages.core.config.eval import EvalSection
 from stages.core.env import free_cpu_threads
-from stages.core.fingerprint import code_version, hash_value
+from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import stage_dir
 from stages.eval.benchmarks import headline_metric
 from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict
-from stages.eval.metrics import (
+from stages.eval.passk import summarize
+from stages.eval.rows import PredictionRow, ScoredSample
+from stages.eval.sample_metrics import (
     MathVerifier,
     effective_prediction,
     qa_metrics,
     sample_score,
     tool_productivity,
 )
-from stages.eval.passk import summarize
-from stages.eval.rows import PredictionRow, ScoredSample
 
 log = get_logger(__name__)
+INFERENCE_AIDS = ("debug", "rollback", "refine")  # Tool-Star's inference-time tools, counted per sample
 
 STAGE = "eval-score"
 PREDICTIONS_FILE = "predictions.jsonl"
@@ -52,7 +58,7 @@ def scoring_key(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRef | No
                 "pass_k": sorted(set(cfg.pass_k)), "bootstrap": [cfg.bootstrap_samples, cfg.bootstrap_seed,
                                                                  cfg.confidence]}
     return hash_value(settings, preds.fingerprint, judge.identity if judged else None, PROMPT_HASH,
-                      code_version("stages.eval", "stages.agent"))
+                      code_version(__name__))
 
 
 def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRef | None, output_root: str | Path,
@@ -71,8 +77,10 @@ def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRe
         write_jsonl(out.path / "samples.jsonl", [sample.model_dump() for sample in samples])
         write_json(out.path / "summary.json", summary)
         out.finish()
-        log.info("%s: accuracy %.3f over %d questions x %d samples", summary["benchmark"],
-                 summary["metrics"]["accuracy"]["value"], summary["questions"], summary["samples_per_question"])
+        accuracy = summary["metrics"].get("accuracy", {}).get("value", float("nan"))
+        log.info("%s: accuracy %.3f over %d questions x %d samples (%d answers left out: infrastructure failures)",
+                 summary["benchmark"], accuracy, summary["questions"], summary["samples_per_question"],
+                 summary["infra_failed_answers"])
     summary = _read_summary(out.path)
     return ScoresRef(path=str(out.path), fingerprint=out.fingerprint, benchmark=summary["benchmark"], meta=summary)
 
@@ -113,7 +121,9 @@ def score_samples(cfg: EvalSection, rows: list[PredictionRow], judge: EndpointRe
             id=row.id, sample=row.sample, task_type=row.task_type, golds=list(row.golds), scored_text=text,
             fallback_prediction=fallback, has_prediction=not fallback, **qa_metrics(text, row.golds),
             python_calls=row.tool_calls.get("python", 0), search_calls=row.tool_calls.get("search", 0),
-            timed_out=row.timed_out, error=row.error, total_s=row.timing.get("total_s", 0.0),
+            inference_tools=dict(row.inference_tools), timed_out=row.timed_out, error=row.error,
+            infra_failures=row.infra_failures,
+            total_s=row.timing.get("total_s", 0.0),
             benchmark=row.benchmark, model=row.model, benchmark_hash=row.benchmark_hash))
     math_rows = [s for s in scored if s.task_type == "math" and s.scored_text]
     if math_rows:
@@ -153,8 +163,22 @@ def _apply_judge(cfg: EvalSection, rows: list[PredictionRow], scored: list[Score
         sample.llm_equal = float(bool(sample.rule_equiv) or bool(verdict.says_correct))
 
 
+def infra_summary(samples: list[ScoredSample]) -> tuple[list[ScoredSample], dict[str, Any]]:
+    """(the samples of questions no infrastructure failure touched, what was left out)."""
+    hit = {s.id for s in samples if s.infra_failures}
+    failed = [f"{s.id}#{s.sample}" for s in samples if s.infra_failures]
+    return [s for s in samples if s.id not in hit], {
+        "infra_failed_answers": len(failed), "infra_failed_questions": len(hit), "infra_failed": failed[:50]}
+
+
 def summarize_benchmark(cfg: EvalSection, samples: list[ScoredSample], judged: bool,
                         headline: str = "llm_equal") -> dict[str, Any]:
+    first, (samples, infra) = samples[0], infra_summary(samples)
+    if not samples:  # every question hit a provider failure: nothing to score
+        return {"benchmark": first.benchmark, "model": first.model, "benchmark_hash": first.benchmark_hash,
+                "task_type": first.task_type, "questions": 0, "samples_per_question": 0, "judged": judged,
+                "headline": headline, "accuracy_metric": headline, "correct_metric": None, "metrics": {},
+                "confidence": cfg.confidence, **infra}
     by_id: dict[str, list[ScoredSample]] = defaultdict(list)
     for sample in samples:
         by_id[sample.id].append(sample)
@@ -177,7 +201,7 @@ def summarize_benchmark(cfg: EvalSection, samples: list[ScoredSample], judged: b
             "questions": len(groups), "samples_per_question": n, "judged": judged, "headline": headline,
             "accuracy_metric": _accuracy_metric(samples, judged, headline),
             "correct_metric": _correct_metric(samples, judged), "metrics": metrics,
-            "confidence": cfg.confidence, **_means(samples, judged, metrics["accuracy"]["value"])}
+            "confidence": cfg.confidence, **_means(samples, judged, metrics["accuracy"]["value"]), **infra}
 
 
 def _means(samples: list[ScoredSample], judged: bool, accuracy: float) -> dict[str, Any]:
@@ -192,7 +216,8 @@ def _means(samples: list[ScoredSample], judged: bool, accuracy: float) -> dict[s
            "tool_use_rate": float(np.mean([c > 0 for c in calls])),
            "tool_productivity": tool_productivity(accuracy, tool_calls),
            "timed_out": int(sum(s.timed_out for s in samples)),
-           "errors": int(sum(bool(s.error) for s in samples)), "mean_total_s": mean("total_s")}
+           "errors": int(sum(bool(s.error) for s in samples)), "mean_total_s": mean("total_s"),
+           **{f"{aid}_uses": int(sum(s.inference_tools.get(aid, 0) for s in samples)) for aid in INFERENCE_AIDS}}
     if judged:
         raw = [s for s in samples if s.judge_says_correct is not None]
         out |= {"llm_equal": mean("llm_equal"), "judge_failures": len(samples) - len(raw),

@@ -1,4 +1,4 @@
-"""The generation-backend protocol shared by the rollout engine and every backend.
+"""The generation-backend protocol shared by the tool rollout and every backend.
 
 Token-in/token-out: a request is the full context as token ids (prompt + everything appended so far); a result
 is the newly sampled ids exactly as sampled, with per-token sampling log-probs and normalised entropies, the
@@ -103,7 +103,7 @@ class ForwardStats:
 
 @runtime_checkable
 class GenerationBackend(Protocol):
-    """What the rollout engine needs from a generator.
+    """What the tool rollout needs from a generator.
 
     KV handling is explicit so that the engine can say what is shared: `prefill` warms a sequence's cache,
     `fork(src, dst, n)` starts `dst` from the first `n` context tokens of `src`'s cache, `release` drops caches

@@ -89,7 +89,7 @@ class TransformersBackend:
 
     def refresh_weights(self) -> None:
         """No-op: the backend samples from the trainer's model object, updated in place. Caches of old weights
-        must not survive a step; the rollout engine calls `release()` after every rollout."""
+        must not survive a step; the tool rollout calls `release()` after every rollout."""
 
     # ---- cache management ---------------------------------------------------------------------------------
     def fork(self, src: Hashable, dst: Hashable, n_tokens: int) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.generation.prompts import PromptItem
+from stages.generation.prompt_items import PromptItem
 from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
 
 
@@ -55,8 +55,9 @@ class LiveTrajectory:
             traj_id=traj_id, group=p.group, prompt_ids=p.prompt_ids, response_ids=p.response_ids[:fork_at],
             loss_mask=p.loss_mask[:fork_at], sample_logprobs=p.sample_logprobs[:fork_at],
             entropies=p.entropies[:fork_at], parent_id=p.traj_id, fork_at=fork_at, kind="branch",
-            tool_calls=dict(p.tool_calls), tool_errors=p.tool_errors,
-            meta={"inherited_tool_calls": sum(p.tool_calls.values())})
+            tool_calls=dict(p.tool_calls), tool_errors=p.tool_errors, infra_failures=p.infra_failures,
+            meta={"inherited_tool_calls": sum(p.tool_calls.values()), "inherited_by_tool": dict(p.tool_calls),
+                  "inherited_infra_failures": p.infra_failures})
         segments = [s for s in self.segments if s[1] <= fork_at]
         return LiveTrajectory(child, key, state, n_calls=self.n_calls, h_initial=h_initial,
                               after_result=True, seg_start=fork_at, segments=segments)
@@ -70,6 +71,8 @@ class GroupState:
     members: list[LiveTrajectory] = field(default_factory=list)
     branches: int = 0
     fresh: int = 0
+    consecutive: int = 0   # AEPO's c: consecutive rounds that added trajectories (stages.rl.branching)
+    added_round: int = 0   # trajectories added in the current round (copies + fresh roots)
     h_root: float | None = None
     h_tool: float | None = None
 
@@ -117,8 +120,15 @@ def trajectory_metrics(groups: list[GroupState]) -> dict[str, float]:
         "tool_calls_executed_per_traj": executed / n,
         "response_tokens_per_traj": sum(len(t) for t in trajs) / n,
         "tool_rejected": float(sum(t.meta.get("tool_rejected", 0) for t in trajs)),
+        # infrastructure failures the tools returned (a branch's copies counted once, in its parent), and the
+        # trajectories they touched (copies included): those carry no loss
+        "infra_failures": float(sum(t.infra_failures - t.meta.get("inherited_infra_failures", 0) for t in trajs)),
+        "masked_trajectories": float(sum(t.masked for t in trajs)),
         "forced_eos": float(sum("forced_eos" in t.meta for t in trajs)),
     }
+    for tool in sorted({k for t in trajs for k in t.tool_calls}):  # executed per tool (ARPO's search budget)
+        row[f"{tool}_calls_executed"] = float(sum(t.tool_calls.get(tool, 0) - t.meta.get("inherited_by_tool", {})
+                                                  .get(tool, 0) for t in trajs))
     for reason in ("eos", "tool_limit", "length", "empty_call"):
         row[f"finish_{reason}"] = float(finish.get(reason, 0))
     return row

@@ -4,7 +4,7 @@ Registry `ENTROPY_QUANTITIES`, one signature `fn(view: LogprobView, vocab_size) 
 (config `rl.rollout.entropy_quantity`, `entropy_topk`). Every backend builds a `LogprobView` of each generation
 step and calls `TokenEntropy`, so one rollout branches the same way on any backend:
 
-- `topk` (default; research/arpo.md 2.3): -sum p log p over the k best log-probs of the position
+- `topk` (default; docs/reference.md "Entropy"): -sum p log p over the k best log-probs of the position
   (`entropy_topk`, k = 10 as the reference requests from vLLM) plus the sampled token when it is not among them
   (vLLM returns it as an extra entry and the reference flattens every entry it gets); truncated, not
   renormalised.

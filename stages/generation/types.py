@@ -1,4 +1,4 @@
-"""Data passed between the rollout engine and the trainer.
+"""Data passed between the tool rollout and the trainer.
 
 Token-in/token-out: `response_ids` are the exact ids the model sampled plus the tokenized tool results; nothing is
 decoded and re-encoded. Branch structure is kept per trajectory as (parent_id, fork_at): the first `fork_at`
@@ -27,12 +27,19 @@ class Trajectory:
     kind: str = "root"               # root | branch | fresh
     tool_calls: dict[str, int] = field(default_factory=dict)
     tool_errors: int = 0
+    infra_failures: int = 0          # tool results in it that the environment failed (fault "infra"), inherited
+    #                                  ones included: > 0 keeps it out of the loss and its group's statistics
     finish_reason: str = ""          # eos | tool_limit | length | empty_call
     response_text: str = ""          # decoded response (model + results), for the reward function
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def masked(self) -> bool:
+        """Touched by an infrastructure failure: RL trains on it nothing (stages/rl/update.py)."""
+        return self.infra_failures > 0
 
 
 @dataclass

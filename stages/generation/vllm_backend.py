@@ -6,6 +6,10 @@
 - Engine: `vllm.LLM(model=<the trainer's model folder>, enable_prefix_caching=True, ...)`. Forks and shared
   prompts need no bookkeeping: automatic prefix caching recognises the shared token prefix, so `fork`,
   `prefill` and `release` are no-ops. Forward-token counts come from `RequestOutput.num_cached_tokens`.
+- Chunked prefill is off: with it, vLLM 0.32 on CPU crashes when a generate call's prompts exceed the scheduler's
+  token budget (4096) and the request whose prefill was split has a per-request seed (`CPU Generator does not
+  use offset`, raised where the partial prefill's sample is discarded); without it, a prefill that does not fit
+  waits for the next scheduler step.
 - Requests are token ids (`TokensPrompt`), `n=1`, stop strings = the closing tool tags with
   `include_stop_str_in_output=True`; the returned `token_ids` are exactly the sampled ids.
 - Entropy: vLLM returns only the top-k log-probs per position (`logprobs=k`, default 10, as the reference) plus
@@ -13,7 +17,7 @@
   those entries, the same quantity the transformers backend computes (default `topk`: the reference's
   truncated -sum p log p / ln|V|). Log-probs are the processed ones (`logprobs_mode="processed_logprobs"`, i.e.
   after temperature) where the installed vLLM supports that engine argument.
-- Weights: the trainer updates its torch model in place; `refresh_weights()` (called by the rollout engine at
+- Weights: the trainer updates its torch model in place; `refresh_weights()` (called by the tool rollout at
   the start of every rollout) hands every named parameter to vLLM's in-place reload (`Worker.reload_weights`,
   through `llm.collective_rpc`), which loads checkpoint-format tensors and reruns the layers' post-load processing,
   and then calls `llm.reset_prefix_cache()` (cached KV blocks of the old weights must not be reused). The tensors
@@ -113,6 +117,9 @@ class VLLMBackend(PrefixCached):
                 raise ValueError("the vllm backend needs model_path= (the trainer's HF model folder)")
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             kwargs: dict[str, Any] = {
+                # no chunked prefill: vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when it
+                # discards the sample of a partly prefilled request that has its own seed (every request here)
+                "enable_chunked_prefill": False,
                 "model": str(path), "enable_prefix_caching": True, "enforce_eager": True, "seed": seed,
                 "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
                 "logprobs_mode": "processed_logprobs", "max_logprobs": max(20, self.logprobs_k)}
@@ -138,6 +145,14 @@ class VLLMBackend(PrefixCached):
         except AttributeError:  # an older vLLM without Worker.reload_weights
             _engine_model(self.llm).load_weights(iter(weights))
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the in-process engine down (its KV cache and weights go), so that a later engine in this process,
+        e.g. a held-out evaluation after RL, does not hold memory beside it."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
 
     def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
                  seed: int | None = None) -> list[GenResult]:

@@ -1,4 +1,4 @@
-"""Held-out accuracy of one policy, in process, with the RL rollout engine and real tools: a small cached stage.
+"""Held-out accuracy of one policy, in process, with the RL tree rollout and real tools: a small cached stage.
 
     ref = evaluate_heldout(HeldoutSection(max_questions=96), agent, policy, data, output_root, cache_root)
     ref.meta["accuracy"], ref.meta["ci_low"], ref.meta["ci_high"]
@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from stages.core.atomic import read_jsonl, write_json, write_jsonl
+from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import HeldoutSection
-from stages.core.fingerprint import code_version, hash_value
+from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef, ScoresRef
 from stages.core.workspace import stage_dir
@@ -64,7 +65,7 @@ def summarize_verdicts(correct_QN: np.ndarray, spec: HeldoutSection) -> dict[str
 def heldout_key(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef) -> str:
     """The stage's one key (its folder name and its Prefect cache key). `enabled` only switches the stage on."""
     return hash_value(spec.model_dump(exclude={"enabled"}), agent, policy.fingerprint, data.fingerprint,
-                      code_version("stages.heldout", "stages.generation", "stages.agent", "stages.sft.rollouts"))
+                      code_version(__name__))
 
 
 def evaluate_heldout(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
@@ -89,9 +90,10 @@ def _run(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | Checkpoin
 
     rows = heldout_rows(spec, agent, data)
     rl = sampling_section(n=spec.samples, temperature=spec.temperature, max_new_tokens=spec.max_response_length,
-                          call_limit=spec.call_limit, max_prompt_length=spec.max_prompt_length)
+                          call_limit=spec.call_limit, max_prompt_length=spec.max_prompt_length,
+                          backend=spec.backend)
     model = load_policy(policy).eval()
-    session = RolloutSession(rl, agent, model, load_tokenizer(policy), data, cache_root, seed=spec.seed)
+    session = RolloutSession(rl.generation(), agent, model, load_tokenizer(policy), data, cache_root, seed=spec.seed)
     records: list[dict[str, Any]] = []
     try:
         for start in range(0, len(rows), spec.questions_per_batch):

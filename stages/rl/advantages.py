@@ -14,6 +14,11 @@ entropy_BT  float  token entropy of the policy (any positive scale; it is standa
 cfg         AdvantageSection
 
 The result is zero wherever mask_BT is zero.
+
+Trajectories touched by an infrastructure failure (a provider, server or sandbox failed a tool call) are left out
+by the one call site, `compute_advantages(..., keep_B=...)`: their rows get mask 0 and a group of their own, so
+every estimator sees them as tokenless singletons: advantage 0, absent from their group's mean and std, from the
+hard-attribution means of shared prefixes and from the entropy standardisation (`exclude_rows`).
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ def grpo_advantage(rewards_B: torch.Tensor, group_B: torch.Tensor, mask_BT: torc
         adv_BT = hard_attribution(adv_B, owner_BT, mask_BT)
     else:
         adv_BT = adv_B.unsqueeze(1) * (mask_BT != 0)
-    if cfg.entropy_aware:
+    if cfg.entropy_aware and cfg.entropy_scope == "step":  # micro_batch: the loss scales (stages.rl.update)
         if entropy_BT is None:
             raise ValueError("rl.advantage.entropy_aware=true needs token entropies (entropy_BT); the trainer must "
                              "compute them whenever this flag is on")
@@ -146,8 +151,25 @@ def grpo_advantage(rewards_B: torch.Tensor, group_B: torch.Tensor, mask_BT: torc
     return adv_BT
 
 
+def exclude_rows(group_B: torch.Tensor, mask_BT: torch.Tensor, keep_B: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group_B, mask_BT) with every row where keep_B is false moved into a group of its own (ids after the
+    largest) and its mask zeroed: an estimator then gives it advantage 0 and leaves it out of every statistic."""
+    keep_B = keep_B.to(torch.bool)
+    if keep_B.shape != group_B.shape:
+        raise ValueError(f"keep_B has shape {tuple(keep_B.shape)}; it must match group_B {tuple(group_B.shape)}")
+    dropped_B = ~keep_B
+    group_B = group_B.clone()
+    start = int(group_B.max()) + 1 if group_B.numel() else 0
+    group_B[dropped_B] = torch.arange(start, start + int(dropped_B.sum()), dtype=group_B.dtype)
+    return group_B, mask_BT * keep_B.unsqueeze(1).to(mask_BT.dtype)
+
+
 def compute_advantages(cfg: AdvantageSection, rewards_B: torch.Tensor, group_B: torch.Tensor,
                        mask_BT: torch.Tensor, owner_BT: torch.Tensor | None = None,
-                       entropy_BT: torch.Tensor | None = None) -> torch.Tensor:
-    """Look up `cfg.estimator` in the registry and call it (the only call site the trainer uses)."""
+                       entropy_BT: torch.Tensor | None = None, keep_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Look up `cfg.estimator` in the registry and call it (the only call site the trainer uses). `keep_B`
+    (bool per row, None = all): rows to train on; the others are left out (`exclude_rows`)."""
+    if keep_B is not None:
+        group_B, mask_BT = exclude_rows(group_B, mask_BT, keep_B)
     return ADVANTAGES.get(cfg.estimator)(rewards_B, group_B, mask_BT, owner_BT, entropy_BT, cfg)

@@ -13,6 +13,9 @@ thresholds in `rl.alarms` (AlarmSection), and returns an `Alarm` for that step o
   gradient) for `window` steps in a row.
 - reward_collapse: mean reward `reward_drop` below its best earlier value.
 - nonfinite_loss: loss, gradient norm, reward or entropy is NaN or infinite.
+- infra_failures: at least `infra_share` of the step's trajectories were touched by a tool infrastructure
+  failure (the search provider, retrieval server or sandbox failed a call) and left out of the loss: the step
+  trained on fewer samples than configured, and an outage may be under way (upstream ARPO issue #49).
 
 `AlarmWatch` applies them after each step: flags `alarm/<name>` in the row, logs a warning, appends to
 `alarms.jsonl`, reports an event and the `rl-alarms` markdown through stages.core.reporter, and raises
@@ -123,10 +126,23 @@ def nonfinite_loss(history: list[Row], rules: AlarmSection) -> str | None:
     return f"non-finite {', '.join(bad)}" if bad else None
 
 
+def infra_failures(history: list[Row], rules: AlarmSection) -> str | None:
+    row = history[-1]
+    share = row.get("rollout/masked_share")
+    if share is None or share < rules.infra_share or share == 0:
+        return None
+    masked, total = row.get("rollout/masked_trajectories"), row.get("rollout/trajectories")
+    count = f"{masked:.0f} of {total:.0f} trajectories" if masked is not None and total else "trajectories"
+    return (f"{count} ({share:.0%}) hit a tool infrastructure failure ({row.get('tools/infra_failures', 0):.0f} "
+            f"failed calls: search provider, retrieval server or sandbox) and were left out of the loss "
+            f"(>= {rules.infra_share:.0%})")
+
+
 CHECKS: dict[str, Callable[[list[Row], AlarmSection], str | None]] = {
     "tool_collapse": tool_collapse, "entropy_collapse": entropy_collapse,
     "format_errors_rising": format_errors_rising, "reward_at_floor": reward_at_floor,
-    "no_signal_groups": no_signal_groups, "reward_collapse": reward_collapse, "nonfinite_loss": nonfinite_loss}
+    "no_signal_groups": no_signal_groups, "reward_collapse": reward_collapse, "nonfinite_loss": nonfinite_loss,
+    "infra_failures": infra_failures}
 
 
 DEFAULT_RULES = AlarmSection()

@@ -1,4 +1,4 @@
-"""Pure branching arithmetic of ARPO / AEPO rollouts (research/arpo.md 2.4, 3.1, 3.2; DESIGN.md section 5).
+"""Pure branching arithmetic of ARPO / AEPO rollouts, as the reference code decides (docs/rollout.md, docs/reference.md).
 
 Every random draw is an argument (u ~ U[0, 1) from the engine's seeded generator), so each rule is a plain
 function with hand-checkable values.
@@ -15,20 +15,21 @@ def clip01(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
-def arpo_branch_probability(tau: float, w: float, dh: float) -> float:
-    """ARPO: P = clip(tau + w * dH, 0, 1)."""
-    return clip01(tau + w * dh)
-
-
 def arpo_should_branch(u: float, tau: float, w: float, dh: float) -> bool:
-    """Branch iff u < P. (The reference draws u and branches iff clip(u - w*dH, 0, 1) <= tau, which is the same
-    event for tau < 1.)"""
-    return u < arpo_branch_probability(tau, w, dh)
+    """The reference's rule: branch iff clip(u - w * dH, 0, 1) <= tau (ARPO vllm_rollout_with_tools.py 473-477)."""
+    return clip01(u - w * dh) <= tau
 
 
 def penalty_factor(c: int, penalty: float) -> float:
-    """AEPO consecutive-branch factor max(0, 1 - penalty * c); c = branches already made for the prompt."""
+    """AEPO consecutive-branch factor max(0, 1 - penalty * c); c from `consecutive_rounds` (the reference)."""
     return max(0.0, 1.0 - penalty * c)
+
+
+def consecutive_rounds(c: int, added: int) -> int:
+    """AEPO's counter after a round: c + 1 when the round added trajectories to the prompt (copies or fresh
+    roots), else 0. It is read, unchanged, by every draw of the next round (AEPO vllm_rollout_with_tools.py
+    1025-1036)."""
+    return c + 1 if added > 0 else 0
 
 
 def aepo_branch_score(u: float, w: float, dh: float, c: int, penalty: float) -> float:
@@ -41,32 +42,22 @@ def aepo_should_branch(u: float, tau: float, w: float, dh: float, c: int, penalt
     return aepo_branch_score(u, w, dh, c, penalty) >= tau
 
 
-def aepo_branch_probability(tau: float, w: float, dh: float, c: int, penalty: float) -> float:
-    """P(score >= tau) for u ~ U[0, 1): with f = the penalty factor, (u + w dH) f >= tau <=> u >= tau/f - w dH,
-    so P = clip(1 - tau/f + w dH, 0, 1); f = 0 gives score 0, which branches only when tau <= 0."""
-    if tau <= 0:
-        return 1.0
-    f = penalty_factor(c, penalty)
-    if f == 0:
-        return 0.0
-    return clip01(1.0 - tau / f + w * dh)
-
-
-def plan_branches(candidates: Sequence[tuple[int, float]], remaining: int, beam_size: int, made: int,
+def plan_branches(candidates: Sequence[tuple[int, float]], remaining: int, beam_size: int,
                   decide: Callable[[float, int], bool]) -> list[int]:
     """Which candidates get a copy this round, in order (a parent appears once per copy).
 
-    candidates: (trajectory id, dH) of one group, in creation order (earlier trajectories get priority, as in
-    the reference); each may make up to beam_size - 1 copies; stop when `remaining` budget is used up.
-    `decide(dH, c)` draws the random decision, c = branches the group already made this rollout (`made` + the
-    copies planned so far).
+    candidates: (trajectory id, dH) of one group, in creation order (earlier trajectories get priority). As the
+    reference (ARPO 464-467, AEPO 934-939), a candidate draws exactly min(beam_size - 1, budget left) times, the
+    count fixed before its first draw; the scan stops once the budget (`remaining`) is used up.
+    `decide(dH, planned)` draws one decision; `planned` = copies planned earlier in this round.
     """
     parents: list[int] = []
     for traj_id, dh in candidates:
-        for _ in range(max(0, beam_size - 1)):
-            if len(parents) >= remaining:
-                return parents
-            if decide(dh, made + len(parents)):
+        draws = min(beam_size - 1, remaining - len(parents))
+        if draws <= 0:
+            break
+        for _ in range(draws):
+            if decide(dh, len(parents)):
                 parents.append(traj_id)
     return parents
 

@@ -10,7 +10,7 @@ P = clip(tau + w dH) spreads over [0, 1]) or `mean` (dH about 20x smaller: P sta
 
 **Window** (`rl.rollout.entropy_window`, the first `entropy_tokens` tokens of a segment):
 
-- `reference` (default; ARPO code, research/arpo.md 2.3): every segment is measured; the decision after tool
+- `reference` (default; ARPO code, docs/reference.md "Entropy"): every segment is measured; the decision after tool
   call t uses the segment that ended in call t (one round late: its tokens came after result t-1, or after the
   prompt), and a copy forks after result t is appended. Code-faithful also in what the baselines are: a copy
   starts without H_initial, so its first segment after the fork becomes its own baseline (the reference keys

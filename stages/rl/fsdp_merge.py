@@ -1,4 +1,4 @@
-"""verl FSDP checkpoint -> HF folder (research/arpo.md 9), for policies trained with verl at scale.
+"""verl FSDP checkpoint -> HF folder (docs/reference.md "Checkpoint merge"), for policies trained with verl at scale.
 
 verl writes `global_step_<k>/actor/model_world_size_<W>_rank_<r>.pt`: each rank's state dict, whose values are
 DTensors carrying their device mesh and placements (plus `actor/huggingface/` with config and tokenizer).

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
+from transformers import DynamicCache
 
 from stages.generation.types import Trajectory
 
@@ -108,32 +110,80 @@ def _token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, with_ent
 
 
 def policy_forward(model: torch.nn.Module, batch: Collated, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, shared_prompt: bool = False,
+                   detach_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens under softmax(logits / T), zero outside the response.
 
     Uses the sampling temperature so the values match what the rollout recorded (T <= 0, greedy, counts as 1).
+    `shared_prompt`: rows with the same prompt share one prompt pass (`response_logits`); `detach_entropy`:
+    entropies without gradient (for metrics), computed in chunks outside autograd.
     """
     T = batch.width
-    out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
-                position_ids=batch.position_ids_BL, logits_to_keep=T + 1, use_cache=False)
-    logits_BTV = out.logits[:, :T]
+    logits_BTV = response_logits(model, batch) if shared_prompt else None
+    if logits_BTV is None:
+        out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                    position_ids=batch.position_ids_BL, logits_to_keep=T + 1, use_cache=False)
+        logits_BTV = out.logits[:, :T]
     if temperature > 0 and temperature != 1.0:
         logits_BTV = logits_BTV / temperature
-    logp_BT, entropy_BT = token_logprobs(logits_BTV, batch.response_ids_BT, with_entropy)
+    logp_BT, entropy_BT = token_logprobs(logits_BTV, batch.response_ids_BT, with_entropy and not detach_entropy)
+    if with_entropy and detach_entropy:
+        with torch.no_grad():
+            entropy_BT = token_logprobs(logits_BTV.detach(), batch.response_ids_BT, True)[1]
     logp_BT = torch.where(batch.valid_BT, logp_BT, torch.zeros_like(logp_BT))
     if entropy_BT is not None:
         entropy_BT = torch.where(batch.valid_BT, entropy_BT, torch.zeros_like(entropy_BT))
     return logp_BT, entropy_BT
 
 
+def response_logits(model: torch.nn.Module, batch: Collated) -> torch.Tensor | None:
+    """The response columns' logits [B, T, V] with each distinct prompt computed once, or None when no two rows
+    share a prompt (or the prompt is a single token, or activation checkpointing is on, which turns the cache off).
+
+    Pass 1 runs the distinct prompts minus their last token (left-padded, so the last token sits in column P-1 of
+    every row) and keeps their KV cache. Then each row runs [last prompt token, its response tokens but the last]
+    over its prompt's cache, unpadded (on a CPU a row's matmuls are as efficient as a padded batch's, and the
+    padding is not computed), so its outputs predict its response tokens -- the columns `policy_forward` keeps; the
+    rows are padded to T afterwards (logits 0 there; those positions are masked). Keys and values of a position
+    depend only on the tokens up to it, so the numbers are those of the full forward (to float rounding) and so is
+    the gradient: d loss / d prompt KV is the sum over the rows that read it.
+    """
+    P, T = batch.prompt_width, batch.width
+    if P < 2 or getattr(model, "is_gradient_checkpointing", False):
+        return None
+    prompts = [tuple(row) for row in batch.input_ids_BL[:, :P].tolist()]
+    first: dict[tuple[int, ...], int] = {}
+    index_B = [first.setdefault(p, len(first)) for p in prompts]
+    if len(first) == len(prompts):
+        return None
+    rows_U = torch.tensor([prompts.index(p) for p in first], device=batch.input_ids_BL.device)
+    out = model(input_ids=batch.input_ids_BL[rows_U, :P - 1], attention_mask=batch.attention_mask_BL[rows_U, :P - 1],
+                position_ids=batch.position_ids_BL[rows_U, :P - 1], use_cache=True, logits_to_keep=1)
+    layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    lengths = batch.valid_BT.sum(dim=1).clamp(min=1).tolist()
+    rows = []
+    for b, (u, n) in enumerate(zip(index_B, lengths)):
+        cache = DynamicCache(config=model.config)
+        for i, (k, v) in enumerate(layers):
+            cache.update(k[u:u + 1], v[u:u + 1], i)
+        cols = slice(P - 1, P - 1 + n)
+        rows.append(model(input_ids=batch.input_ids_BL[b:b + 1, cols],
+                          attention_mask=batch.attention_mask_BL[b:b + 1, :P - 1 + n],
+                          position_ids=batch.position_ids_BL[b:b + 1, cols], past_key_values=cache, use_cache=True,
+                          logits_to_keep=n).logits[0])
+    logits_BTV = pad_sequence(rows, batch_first=True)
+    return torch.nn.functional.pad(logits_BTV, (0, 0, 0, T - logits_BTV.shape[1]))
+
+
 @torch.no_grad()
 def batched_forward(model: torch.nn.Module, batch: Collated, micro_batch_size: int, temperature: float,
-                    with_entropy: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool, device: torch.device, shared_prompt: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`policy_forward` without gradient over micro-batches; results on CPU, [B, T]."""
     logps, entropies = [], []
     for start in range(0, batch.rows, micro_batch_size):
         micro = batch.rows_slice(start, start + micro_batch_size).to(device)
-        logp, entropy = policy_forward(model, micro, temperature, with_entropy)
+        logp, entropy = policy_forward(model, micro, temperature, with_entropy, shared_prompt)
         logps.append(logp.float().cpu())
         if entropy is not None:
             entropies.append(entropy.float().cpu())

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from stages.core.atomic import write_json
+from stages.core.codeversion import code_version
 from stages.core.config.rl import MergeSection
-from stages.core.fingerprint import code_version, hash_value
+from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, ModelRef
 from stages.core.workspace import stage_dir
@@ -41,7 +42,7 @@ class MergeParityError(RuntimeError):
 
 def merge_key(cfg: MergeSection, ckpt: CheckpointRef) -> str:
     """The stage's one key (its folder name and its Prefect cache key)."""
-    return hash_value(cfg, ckpt.fingerprint, code_version("stages.rl", "stages.generation.models"))
+    return hash_value(cfg, ckpt.fingerprint, code_version(__name__))
 
 
 def merge_checkpoint(cfg: MergeSection, ckpt: CheckpointRef, output_root: str | Path,

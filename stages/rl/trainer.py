@@ -1,11 +1,12 @@
-"""The RL stage: an on-policy loop over the train set, checkpointed, resumable after a crash.
+"""The local RL engine (`rl.engine: local`): an on-policy loop over the train set, checkpointed, resumable after a
+crash; the stage entry `run_rl` (stages/rl/stage.py) reaches it through the engine registry (engines.py).
 
-Per step: the next `train_batch_size` prompts -> rollouts (RolloutEngine: tools, branching) -> rewards ->
+Per step: the next `train_batch_size` prompts -> rollouts (TreeRollout: tools, branching) -> rewards ->
 old log-probs, entropies (and reference log-probs when kl_coef > 0) -> advantages -> ppo_epochs x mini-batches
 of micro-batches -> metrics row, rollout dump, alarms (stages/rl/alarms.py) -> checkpoint every `save_every` steps
 and at the end; progress, curves and a rollout sample are reported while it runs (stages.core.reporter).
 
-Resume: `run_rl` re-run on the same inputs lands in the same stage folder; the trainer loads the newest complete
+Resume: `run_rl` (stage.py) re-run on the same inputs lands in the same stage folder; the trainer loads the newest complete
 checkpoint (weights, optimizer, RNG states, step / data position), rewrites metrics.jsonl to the steps that
 checkpoint holds, and continues with the next step. The data order of every epoch is a seeded permutation and
 each step's rollout seed is derived from (seed, step), so a resumed run samples what the uninterrupted one would.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +26,19 @@ import torch
 
 from stages.agent.rewards import compute_rewards
 from stages.core import reporter
-from stages.core.atomic import read_jsonl
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.config.rl_engine import local_engine_problem
-from stages.core.fingerprint import code_version, hash_value
+from stages.core.errors import BadInputError
+from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from stages.core.workspace import stage_dir
 from stages.data import RLRow, read_rl_parquet
 from stages.generation.models import load_policy, load_tokenizer
 from stages.generation.session import RolloutSession
 from stages.generation.types import RolloutBatch
 from stages.rl import checkpoint as ckpt
 from stages.rl.alarms import AlarmWatch
-from stages.rl.metrics import (
-    append_metrics,
-    dump_rollouts,
-    plot_curves,
-    reconcile_metrics,
-    rollout_metrics,
-    rollout_sample_markdown,
-)
 from stages.rl.modeling import (
     compute_dtype,
     configure_for_training,
@@ -54,63 +47,18 @@ from stages.rl.modeling import (
     pick_device,
 )
 from stages.rl.probe import write_probe
-from stages.rl.rollout import RolloutEngine
+from stages.rl.rollout import tree_rollouts
+from stages.rl.step_metrics import (
+    append_metrics,
+    dump_rollouts,
+    plot_curves,
+    reconcile_metrics,
+    rollout_metrics,
+    rollout_sample_markdown,
+)
 from stages.rl.update import build_step_tensors, ppo_update
 
 log = get_logger(__name__)
-
-
-def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
-           output_root: str | Path, cache_root: str | Path, seed: int = 0, force: bool = False,
-           dtype: str = "float32") -> CheckpointRef:
-    """Train `policy` with GRPO / ARPO / AEPO on `data`'s rl_train file with the engine `cfg.engine` (local: this
-    process; verl: verl 0.9.1 over Ray); returns the final checkpoint. `dtype` is model.dtype.
-
-    With `cfg.enabled` false the policy is passed through (a ModelRef becomes an hf CheckpointRef).
-    """
-    if not cfg.enabled:
-        return passthrough(policy)
-    ablation = aepo_components_off(cfg)
-    if ablation:
-        log.warning("rl.algorithm=aepo with %s switched off: an AEPO ablation", ", ".join(ablation))
-    from stages.rl.engines import RL_ENGINES
-
-    engine = RL_ENGINES.get(cfg.engine)
-    out = stage_dir(output_root, "rl", rl_key(cfg, agent, policy, data, seed, dtype), force=force)
-    if not out.complete:
-        result = engine(cfg, agent, policy, data, out.path, Path(cache_root), seed, dtype)
-        content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
-        out.finish(content=content, final=result.path, steps=result.step, format=result.format,
-                   meta=result.meta)
-    elif out.marker().get("format", "trainer") == "trainer":  # trained before (another run's Prefect cache):
-        publish_results(cfg, out.path, read_jsonl(out.path / "metrics.jsonl"))  # show its curves here too
-    marker = out.marker()
-    return CheckpointRef(path=marker["final"], fingerprint=out.fingerprint, format=marker.get("format", "trainer"),
-                         base=base_model(policy), step=int(marker["steps"]),
-                         meta={"algorithm": cfg.algorithm, "engine": cfg.engine, **marker.get("meta", {}),
-                               **({"aepo_off": ablation} if ablation else {})})
-
-
-def rl_key(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef, seed: int = 0,
-           dtype: str = "float32", python: str | None = None) -> str:
-    """The stage's one key (its folder name and its Prefect cache key): the training identity, the agent, the
-    inputs, the code of the runtime and of RL, and the engine's version in the interpreter the stage runs under
-    (`python`; None = this one)."""
-    from stages.rl.engines import engine_version
-
-    return hash_value(training_identity(cfg), agent, policy.fingerprint, data.fingerprint, seed, dtype,
-                      code_version("stages.rl", "stages.agent", "stages.generation"),
-                      engine_version(cfg.engine, python))
-
-
-def aepo_components_off(cfg: RLSection) -> list[str]:
-    """AEPO components a config switches off explicitly under rl.algorithm=aepo (allowed: the reference has one
-    switch per component and the AEPO paper ablates each; the run's artifacts name them)."""
-    if cfg.algorithm != "aepo":
-        return []
-    return [name for name, on in (("entropy-balanced clipping", cfg.loss.policy_loss == "aepo_balanced_clip"),
-                                  ("entropy-aware advantage", cfg.advantage.entropy_aware),
-                                  ("branch penalty", cfg.rollout.branch_penalty > 0)) if not on]
 
 
 def run_local(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
@@ -125,45 +73,39 @@ def run_local(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoint
 
 def training_identity(cfg: RLSection) -> dict[str, Any]:
     """What the trained weights depend on: the RL section without the watching settings (alarm thresholds and
-    stop list, artifact refresh), so changing those neither recomputes the stage nor refuses its checkpoints."""
-    return cfg.model_dump(mode="json", exclude={"alarms": True, "trainer": {"report_every"}})
+    stop list, artifact refresh, the card's reference run), so changing those neither recomputes the stage nor
+    refuses its checkpoints."""
+    return cfg.model_dump(mode="json", exclude={"alarms": True, "reference_setting": True,
+                                                "trainer": {"report_every"}})
 
 
-def publish_results(cfg: RLSection, folder: Path, history: list[dict[str, Any]]) -> None:
-    """Curves and the newest rollout sample, to whoever watches (refreshed every trainer.report_every steps)."""
+def publish_results(cfg: RLSection, folder: Path, history: list[dict[str, Any]], replot: bool = True) -> None:
+    """Curves and the newest rollout sample, to whoever watches (refreshed every trainer.report_every steps).
+    `replot=False` shows the finished folder's own plot: a complete folder is never written to (its manifest)."""
     if not history:
         return
     step = history[-1]["step"]
-    reporter.image("rl-curves", plot_curves(history, folder / "curves.png"),
-                   f"{cfg.algorithm}: reward, accuracy, entropy, tool calls (step {step})")
+    png = folder / "curves.png"
+    curves = png if not replot and png.is_file() else plot_curves(history, png)
+    if curves is not None:  # None: matplotlib is missing (the vLLM environment)
+        reporter.image("rl-curves", curves, f"{cfg.algorithm}: reward, accuracy, entropy, tool calls (step {step})")
     if cfg.trainer.dump_rollouts:
         reporter.markdown("rl-rollouts", rollout_sample_markdown(folder / "rollouts"),
                           f"{cfg.algorithm}: sample of the rollouts of step {step}")
-
-
-def passthrough(policy: ModelRef | CheckpointRef) -> CheckpointRef:
-    if isinstance(policy, CheckpointRef):
-        return policy
-    return CheckpointRef(path=policy.path, fingerprint=policy.fingerprint, format="hf", base=policy,
-                         meta={"rl": "disabled"})
-
-
-def base_model(policy: ModelRef | CheckpointRef) -> ModelRef | None:
-    return policy if isinstance(policy, ModelRef) else policy.base
 
 
 def plan_steps(n_rows: int, cfg: RLSection) -> tuple[int, int]:
     """(steps per epoch, total steps). Incomplete last batches are dropped, as the reference does."""
     per_epoch = n_rows // cfg.trainer.train_batch_size
     if per_epoch == 0:
-        raise ValueError(f"the RL train set has {n_rows} rows, fewer than rl.trainer.train_batch_size="
-                         f"{cfg.trainer.train_batch_size}; lower train_batch_size or add data")
+        raise BadInputError(f"the RL train set has {n_rows} rows, fewer than rl.trainer.train_batch_size="
+                            f"{cfg.trainer.train_batch_size}; lower train_batch_size or add data")
     total = cfg.trainer.total_steps or per_epoch * cfg.trainer.epochs
     return per_epoch, total
 
 
 def rollout_seed(seed: int, step: int) -> int:
-    """The rollout engine's seed for 0-based `step`: a pure function of the run seed, so resuming reproduces it."""
+    """The tree rollout's seed for 0-based `step`: a pure function of the run seed, so resuming reproduces it."""
     return int(hash_value("rl-rollout", seed, step), 16) % 2**31
 
 
@@ -181,6 +123,17 @@ def make_optimizer(model: torch.nn.Module, cfg: RLSection) -> torch.optim.Optimi
                 for p in params)
     return torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
                              fused=fused or None)
+
+
+@contextmanager
+def phase(times: dict[str, float], name: str):
+    """Wall and process CPU seconds of one phase of a step, as `<name>_s` and `<name>_cpu_s`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        yield
+    finally:
+        times[f"{name}_s"] = time.perf_counter() - wall
+        times[f"{name}_cpu_s"] = time.process_time() - cpu
 
 
 class RLTrainer:
@@ -239,8 +192,8 @@ class RLTrainer:
         history = reconcile_metrics(self.metrics_path, state.step, state.metrics if latest else None)
         self.watch = AlarmWatch(self.cfg.alarms, self.path / "alarms.jsonl", resumed_step=state.step)
         pad_id = self.tokenizer.pad_token_id
-        session = RolloutSession(self.cfg.rollout, self.agent, self.model, self.tokenizer, self.data,
-                                 self.cache_root, self.seed, self.toolbox, engine=RolloutEngine)
+        session = RolloutSession(self.cfg.rollout.generation(), self.agent, self.model, self.tokenizer, self.data,
+                                 self.cache_root, self.seed, self.toolbox, make_rollout=tree_rollouts(self.cfg.rollout))
         try:
             with reporter.track("rl", f"RL ({self.cfg.algorithm})", total=self.total_steps, done=state.step) as bar:
                 while state.step < self.total_steps:
@@ -274,29 +227,26 @@ class RLTrainer:
     def step(self, state: ckpt.TrainerState, session: RolloutSession, pad_id: int,
              history: list[dict[str, Any]]) -> dict[str, Any]:
         times: dict[str, float] = {}
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         rows, epoch, position = self.batch_rows(state.step)
-        rollouts = session.rollout(rows, seed=rollout_seed(self.seed, state.step))
-        times["rollout"] = time.perf_counter() - start
-        t0 = time.perf_counter()
-        rewards = compute_rewards(self.cfg.trainer.reward, [t.response_text for t in rollouts.trajectories],
-                                  *self._truths(rollouts))
-        times["reward"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        tensors = build_step_tensors(self.cfg, self.model, self.ref_model, rollouts, [r.score for r in rewards],
-                                     pad_id, self.device, self.dtype)
-        times["old_logprob"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        update = ppo_update(self.cfg, self.model, self.optimizer, tensors, self.cfg.rollout.n, self.device,
-                            self.dtype)
-        times["update"] = time.perf_counter() - t0
+        with phase(times, "rollout"):
+            rollouts = session.rollout(rows, seed=rollout_seed(self.seed, state.step))
+        with phase(times, "reward"):
+            rewards = compute_rewards(self.cfg.trainer.reward, [t.response_text for t in rollouts.trajectories],
+                                      *self._truths(rollouts))
+        with phase(times, "old_logprob"):
+            tensors = build_step_tensors(self.cfg, self.model, self.ref_model, rollouts, [r.score for r in rewards],
+                                         pad_id, self.device, self.dtype)
+        with phase(times, "update"):
+            update = ppo_update(self.cfg, self.model, self.optimizer, tensors, self.cfg.rollout.n, self.device,
+                                self.dtype)
         state.step += 1
         state.epoch, state.position = divmod(state.step, self.steps_per_epoch)
         row = {"step": state.step, "epoch": epoch, "batch_position": position, "pid": os.getpid(),
                "resumed_from": self.resumed_from,
                **rollout_metrics(rollouts, rewards), **self._tensor_metrics(tensors), **update}
         self._dump(state.step, rollouts, rewards, tensors)
-        row |= {f"timing/{k}_s": v for k, v in times.items()}
+        row |= {f"timing/{k}": v for k, v in times.items()}
         self.watch.check([*history, row])  # may stop the run before this step is saved
         t0 = time.perf_counter()
         state.metrics = row
@@ -305,6 +255,7 @@ class RLTrainer:
                                  keep=self.cfg.trainer.keep_checkpoints)
         row["timing/checkpoint_s"] = time.perf_counter() - t0
         row["timing/step_s"] = time.perf_counter() - start
+        row["timing/step_cpu_s"] = time.process_time() - cpu_start  # all threads of this process (vLLM's too)
         append_metrics(self.metrics_path, row)
         log.info("step %d/%d reward %.3f acc %.2f tools/traj %.2f entropy %.3f (%.1fs)", state.step,
                  self.total_steps, row["reward/mean"], row["accuracy"], row["tools/calls_per_traj"],
@@ -323,7 +274,11 @@ class RLTrainer:
         n = mask.sum().clamp(min=1)
         out = {"entropy/mean": float((tensors.entropy_BT * mask).sum() / n),
                "advantage/mean_abs": float((tensors.adv_BT.abs() * mask).sum() / n),
-               "rollout/logp_mismatch": float(((tensors.sample_logp_BT - tensors.old_logp_BT).abs() * mask).sum() / n)}
+               "old_logprob/recomputed_rows": float(tensors.recomputed_rows),
+               "old_logprob/from_rollout": float(tensors.old_source == "rollout")}
+        if tensors.old_source == "recompute":  # else the update measured it (before its first optimizer step)
+            out["rollout/logp_mismatch"] = float(((tensors.sample_logp_BT - tensors.old_logp_BT).abs() * mask).sum()
+                                                 / n)
         if tensors.ref_logp_BT is not None:
             out["kl/ref"] = float(((tensors.old_logp_BT - tensors.ref_logp_BT) * mask).sum() / n)
         return out
@@ -337,4 +292,4 @@ class RLTrainer:
                       per_traj)
 
 
-__all__ = ["RLTrainer", "passthrough", "plan_steps", "rollout_seed", "run_local", "run_rl", "training_identity"]
+__all__ = ["RLTrainer", "plan_steps", "publish_results", "rollout_seed", "run_local", "training_identity"]

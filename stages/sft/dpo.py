@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stages.agent.prompts import system_prompt
+from stages.agent.prompt_templates import system_prompt
 from stages.core.atomic import write_json
+from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
-from stages.core.fingerprint import code_version, hash_path, hash_value
+from stages.core.fingerprint import hash_value
+from stages.core.inputs import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef
 from stages.core.workspace import stage_dir
@@ -85,10 +87,11 @@ def dpo_key(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, dat
     dpo = cfg.dpo
     if not dpo.enabled:
         return hash_value(dpo.enabled, checkpoint.fingerprint)
-    inputs = [hash_path(dpo.dataset_path)] if dpo.source == "file" else teacher_key_inputs(agent, data)
+    inputs = [hash_input(dpo.dataset_path or "", "sft.dpo.dataset_path")] if dpo.source == "file" \
+        else teacher_key_inputs(agent, data)
     shared = {"template", "bf16", "deepspeed", "seed", "teacher_seed", "lr_scheduler_type", "warmup_ratio"}
     return hash_value(dpo, cfg.model_dump(mode="json", include=shared), checkpoint.fingerprint, inputs,
-                      code_version("stages.sft", "stages.agent", "stages.generation"))
+                      code_version(__name__))
 
 
 def run_dpo(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None,

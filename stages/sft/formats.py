@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stages.core.atomic import atomic_path, write_json
-from stages.core.errors import MissingInputError
+from stages.core.errors import BadInputError, MissingInputError
 from stages.data.rl_parquet import DatasetRowError
 
 Format = Literal["sharegpt", "alpaca"]
@@ -51,9 +51,15 @@ def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
         raise MissingInputError(f"SFT data file {path} does not exist; set sft.dataset_path to an existing file")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        yield from enumerate(pq.read_table(path).to_pylist())
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as err:
+            raise BadInputError(f"{path} is not a readable parquet file ({str(err).splitlines()[0]}); convert it "
+                                "or name a .json / .jsonl file") from err
+        yield from enumerate(table.to_pylist())
     elif suffix == ".jsonl":
         with open(path, encoding="utf-8") as handle:
             index = 0
@@ -66,12 +72,16 @@ def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
                     yield index, DatasetRowError(path, index, f"not valid JSON ({err.msg}); fix or delete that line")
                 index += 1
     elif suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise BadInputError(f"{path}: not valid JSON ({err}); a .json SFT file holds one list of rows "
+                                "(a file with one row per line must be named .jsonl)") from err
         if not isinstance(data, list):
             raise DatasetRowError(path, 0, f"a .json SFT file must hold a list of rows, got {type(data).__name__}")
         yield from enumerate(data)
     else:
-        raise ValueError(f"SFT data file {path}: unknown extension {suffix!r}; use .json, .jsonl or .parquet")
+        raise BadInputError(f"SFT data file {path}: unknown extension {suffix!r}; use .json, .jsonl or .parquet")
 
 
 def _text(path: Path, index: int, value: Any, what: str, allow_empty: bool = False) -> str:

@@ -1,6 +1,6 @@
 """Pure builders: our config sections -> LLaMA-Factory argument dicts (written as YAML) and launch commands.
 
-The keys follow the reference `arpo_train_sft/yaml/qwen.yaml` (research/arpo.md section 1): full FT, cutoff
+The keys follow the reference `arpo_train_sft/yaml/qwen.yaml` (docs/reference.md "SFT recipe"): full FT, cutoff
 15000, lr 7e-6, 3 epochs, cosine, warmup 0.1, bf16, DeepSpeed ZeRO-3; the tiny profile flips bf16 off and
 shrinks the run. Nothing here touches the disk or the environment.
 """

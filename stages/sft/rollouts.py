@@ -1,5 +1,5 @@
 """Tool-using trajectories sampled from a checkpoint with the agent runtime's token-level driver
-(stages.generation.engine.TIRRollout), for self-critic DPO pairs and the SFT format benchmark: n independent
+(stages.generation.tool_rollout.ToolRollout), for self-critic DPO pairs and the SFT format benchmark: n independent
 samples per question (GRPO sampling, no branching), real tools, results inserted with `render_result`, exactly
 the text RL trains on. Nothing here imports stages.rl, so RL's code does not key SFT's outputs."""
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.agent.prompts import build_messages
+from stages.agent.prompt_templates import build_messages
 from stages.agent.protocol import check_format, count_tool_calls
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RolloutSection
@@ -39,7 +39,7 @@ def task_rows(tasks: Sequence[dict[str, Any]], template: str) -> list[RLRow]:
 
 def sampling_section(n: int, temperature: float, max_new_tokens: int, call_limit: int, backend: str = "transformers",
                      max_prompt_length: int = 1024) -> RolloutSection:
-    """n independent samples per prompt (TIRRollout does not branch)."""
+    """n independent samples per prompt (ToolRollout does not branch)."""
     return RolloutSection(strategy="grpo", backend=backend, n=n, initial_rollouts=n, call_limit=call_limit,
                           max_prompt_length=max_prompt_length, max_response_length=max_new_tokens,
                           temperature=temperature, prompt_overflow="skip")
@@ -53,7 +53,7 @@ def sample(policy: ModelRef | CheckpointRef, tasks: Sequence[dict[str, Any]], ag
 
     tokenizer = load_tokenizer(policy)
     model = load_policy(policy).eval()
-    session = RolloutSession(rollout, agent, model, tokenizer, data, Path(cache_root), seed=seed)
+    session = RolloutSession(rollout.generation(), agent, model, tokenizer, data, Path(cache_root), seed=seed)
     out: list[Sampled] = []
     try:
         rows = task_rows(tasks, agent.prompt_template)

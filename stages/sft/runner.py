@@ -23,7 +23,6 @@ log = get_logger(__name__)
 TRAINER_LOG = "trainer_log.jsonl"   # LLaMA-Factory's LogCallback: one JSON line per logging step
 TAIL_LINES = 40
 _BAR = re.compile(r"^\s*\d+%\|.*\|\s*(\d+)/(\d+)\s*\[")          # the description-less trainer tqdm bar
-_ANY_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+\s*\[|\d+/\d+ \[\d")    # any tqdm refresh line
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -43,10 +42,6 @@ def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.pop("FORCE_TORCHRUN", None)
     return env | (extra or {})
-
-
-def is_progress_line(line: str) -> bool:
-    return bool(_ANY_BAR.search(line))
 
 
 def parse_log_dict(line: str) -> dict[str, Any] | None:
@@ -144,8 +139,3 @@ def training_metrics(output_dir: Path) -> dict[str, Any]:
                     "loss_min": min(r["loss"] for r in steps), "steps": steps[-1].get("current_steps", len(steps)),
                     "total_steps": steps[-1].get("total_steps")}
     return metrics
-
-
-def loss_curve(output_dir: Path) -> list[tuple[int, float]]:
-    return [(int(r.get("current_steps", i + 1)), float(r["loss"]))
-            for i, r in enumerate(read_trainer_log(output_dir)) if r.get("loss") is not None]

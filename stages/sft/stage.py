@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from stages.core.atomic import atomic_path, write_json, write_yaml
+from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
 from stages.core.env import PROJECT_ROOT
-from stages.core.fingerprint import code_version, hash_path, hash_value
+from stages.core.errors import MissingInputError
+from stages.core.fingerprint import hash_value
+from stages.core.inputs import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.templates import load_template
@@ -36,7 +39,6 @@ from stages.sft.runner import bin_dir, resume_point, run_config, run_streaming, 
 
 log = get_logger(__name__)
 
-CODE_PACKAGES = ("stages.sft", "stages.agent")
 _HF_FILES = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors|model\.safetensors\.index\.json|"
                        r"tokenizer.*|special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt|"
                        r"added_tokens\.json|.*\.tiktoken|.*\.model)$")
@@ -61,9 +63,9 @@ def sft_key(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: Dataset
     if cfg.dataset == "teacher":
         inputs: Any = teacher_key_inputs(agent, data)
     else:
-        inputs = [hash_path(cfg.dataset_path or "")]
+        inputs = [hash_input(cfg.dataset_path or "", "sft.dataset_path")]
     return hash_value(cfg.model_dump(mode="json", exclude={"dpo"}), model.fingerprint, inputs,
-                      code_version(*CODE_PACKAGES))
+                      code_version(__name__))
 
 
 def local_path(path: str) -> str:
@@ -87,13 +89,13 @@ def preflight(cfg: SFTSection) -> None:
     if cfg.deepspeed:
         path = Path(lf_config.resolve_project_path(cfg.deepspeed))
         if not path.is_file():
-            raise FileNotFoundError(f"sft.deepspeed={cfg.deepspeed!r}: {path} does not exist; ship one under "
+            raise MissingInputError(f"sft.deepspeed={cfg.deepspeed!r}: {path} does not exist; ship one under "
                                     "configs/deepspeed/ (ds_z3.json, ds_z3_offload.json) or unset it")
         if importlib.util.find_spec("deepspeed") is None:
             raise ModuleNotFoundError("sft.deepspeed is set but the deepspeed package is not installed; on the GPU "
                                       "machine run `pip install 'deepspeed>=0.10,<=0.16.9'` or unset sft.deepspeed")
     if cfg.launcher == "torchrun" and not (Path(bin_dir()) / "torchrun").exists():
-        raise FileNotFoundError(f"sft.launcher=torchrun but {Path(bin_dir()) / 'torchrun'} is missing; "
+        raise MissingInputError(f"sft.launcher=torchrun but {Path(bin_dir()) / 'torchrun'} is missing; "
                                 "install torch into this environment or set sft.launcher=python")
 
 

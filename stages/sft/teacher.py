@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.loop import LoopRules, TextBudget, TextLoopState, TextSegment, run_text_loop
-from stages.agent.prompts import build_messages
+from stages.agent.prompt_templates import build_messages
 from stages.agent.protocol import STOP_TAGS, ToolCall, check_format
 from stages.core.atomic import read_jsonl
 from stages.core.config.agent import AgentSection, ToolLimitsSection
@@ -175,6 +175,48 @@ def qa_trajectory(task: dict[str, Any], tools: Any, rng: random.Random,
     return play([lambda _: first, *(after(i) for i in range(len(hops)))], tools)
 
 
+_CHAIN_PLANS = ("I need the year. I search for {query}.", "The year is not known to me. Let me search {query}.")
+_CHAIN_COMPUTE = ("{title} was {fact}. Python computes the difference.", "The result says {fact}. I subtract with python.")
+_CHAIN_CLOSE = ("Python printed {value}.", "The difference is {value}.")
+
+
+def chain_trajectory(task: dict[str, Any], tools: Any, rng: random.Random,
+                     docs: dict[str, tuple[str, str]]) -> str:
+    """A lookup and a computation on its result: search the hop's query, read the year from the document it
+    returns, run the reference code on it (two dependent calls), answer with what python printed."""
+    hops, code = task.get("hops") or [], task.get("solution_code") or ""
+    if len(hops) != 1 or not code.strip():
+        raise UnsupportedTrajectory("chain task needs one hop and a solution_code")
+    hop, answer = hops[0], str(task["answer"])
+    before = rng.getstate()
+
+    def compute(result: Any) -> str:
+        doc = docs.get(hop["doc_id"])
+        if doc is None or not retrieved(doc, result.text) or hop["fact"] not in result.text:
+            rng.setstate(before)
+            raise UnsupportedTrajectory(f"search for {hop['query']!r} did not return document {hop['doc_id']}")
+        text = rng.choice(_CHAIN_COMPUTE).format(title=doc[0], fact=hop["fact"])
+        return f"\n<think> {text} </think>\n<python>\n{code}\n</python>"
+
+    def close(result: Any) -> str:
+        output = result.text.strip()
+        if output != answer:
+            rng.setstate(before)
+            raise UnsupportedTrajectory(f"python printed {output[:60]!r}, gold answer is {answer!r}")
+        return f"\n<think> {rng.choice(_CHAIN_CLOSE).format(value=output)} </think>\n{_answer(output)}"
+
+    first = f"<think> {rng.choice(_CHAIN_PLANS).format(query=hop['query'])} </think>\n<search> {hop['query']} </search>"
+    return play([lambda _: first, compute, close], tools)
+
+
+# task kind -> its teacher: (task, tools, rng, corpus docs) -> trajectory text
+TRAJECTORIES: dict[str, Callable[..., str]] = {
+    "math": lambda task, tools, rng, docs: math_trajectory(task, tools, rng),
+    "qa": qa_trajectory,
+    "chain": chain_trajectory,
+}
+
+
 def split_doc(contents: str) -> tuple[str, str]:
     """A FlashRAG `contents` -> (title, text): the title is the first line."""
     title, _, body = str(contents).partition("\n")
@@ -191,8 +233,8 @@ def train_tasks(tasks_path: str | Path) -> list[dict[str, Any]]:
     rows = []
     for i, task in enumerate(read_jsonl(tasks_path)):
         missing = [k for k in ("id", "kind", "question", "answer", "split") if k not in task]
-        if missing or task["kind"] not in ("math", "qa"):
-            raise ValueError(f"{tasks_path} row {i}: expected id/kind(math|qa)/question/answer/split, "
+        if missing or task["kind"] not in TRAJECTORIES:
+            raise ValueError(f"{tasks_path} row {i}: expected id/kind({'|'.join(TRAJECTORIES)})/question/answer/split, "
                              f"missing {missing} or kind={task.get('kind')!r}; regenerate it with the data stage")
         if task["split"] == "train":
             rows.append(task)
@@ -211,10 +253,7 @@ def build_trajectories(tasks: Iterable[dict[str, Any]], tools: Any, docs: dict[s
             if len(report.rows) >= limit:
                 break
             try:
-                if task["kind"] == "math":
-                    text = math_trajectory(task, tools, rng)
-                else:
-                    text = qa_trajectory(task, tools, rng, docs)
+                text = TRAJECTORIES[task["kind"]](task, tools, rng, docs)
             except UnsupportedTrajectory as err:
                 report.dropped.append(f"{task['id']}: {err}")
                 continue

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from stages.agent.loop import TextSegment, run_text_loop
+from stages.core.codeversion import code_version
 from stages.core.env import PROJECT_ROOT
-from stages.core.fingerprint import code_version
 from stages.core.refs import EndpointRef
 from stages.eval.agent_loop import EVAL_STOPS, SampleState
 from stages.eval.inference import FINAL, PARTIAL, eval_agent, loop_settings, run_inference
@@ -168,7 +168,7 @@ def test_cancelled_sample_keeps_its_partial_output(endpoint, tiny_model, tiny_co
     """asyncio.timeout cancels run_sample; what the finished calls produced stays on the state."""
     from transformers import AutoTokenizer
 
-    from stages.agent.prompts import build_messages
+    from stages.agent.prompt_templates import build_messages
     from stages.agent.toolbox import ToolBox
     from stages.eval.agent_loop import LoopSettings, run_sample
     from stages.eval.serving import async_client

@@ -50,7 +50,7 @@ def _aime(tmp_path: Path) -> PredictionsRef:
     return PredictionsRef(path=str(path), fingerprint="aime-preds-1", benchmark="aime24")
 
 
-CFG = EvalSection(pass_k=[1, 2, 5], judge=JudgeSection(concurrency=2), bootstrap_samples=200,
+CFG = EvalSection(samples=5, pass_k=[1, 2, 5], judge=JudgeSection(concurrency=2), bootstrap_samples=200,
                   reference_setting="arpo-qwen3-14b", math_workers=1)
 
 
@@ -66,7 +66,7 @@ def test_qa_scores_by_hand_then_cached_rescore_makes_no_judge_call(tmp_path):
         assert s["accuracy_metric"] == "llm_equal" and s["metrics"]["accuracy"]["value"] == pytest.approx(4 / 6)
         assert s["metrics"]["pass@1"]["value"] == pytest.approx(4 / 6)
         assert s["metrics"]["pass@2"]["value"] == pytest.approx(1.0)  # every question has one correct sample
-        assert "pass@5" not in s["metrics"]  # only 2 samples per question
+        assert "pass@5" not in s["metrics"]  # only 2 samples per question were written (of eval.samples=5)
         assert s["em"] == pytest.approx(2 / 6)
         # F1: q1 [1, 2/3]; q2 [0, fallback "i think answer is new york city" vs "new york city": P 3/7, R 1 ->
         # 0.6]; q3 [1, 0] -> (1 + 2/3 + 0.6 + 1) / 6

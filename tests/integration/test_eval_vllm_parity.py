@@ -26,7 +26,7 @@ MAX_TOKENS = 24
 def prompts(tiny_model, synthetic_data) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from stages.agent.prompts import build_messages
+    from stages.agent.prompt_templates import build_messages
 
     tok = AutoTokenizer.from_pretrained(tiny_model.path)
     questions = [json.loads(line)["question"] for line in

@@ -17,7 +17,7 @@ from stages.core.config import ConfigError, load_config
 from stages.core.refs import ScoresRef
 from tasks.common import call_stage, stage_task
 from tasks.eval_score import scores_as_they_finish
-from tasks.rl import rl_task
+from tasks.rl import publish_card, rl_task
 from tests.conftest import PROJECT_ROOT
 
 CACHE = PROJECT_ROOT / ".cache"
@@ -180,10 +180,32 @@ def test_an_alarm_in_stop_on_ends_rl_once_after_its_alert(tiny_model, synthetic_
 
     assert asyncio.run(run_count()) == 1
     _, artifacts, events = _read(task_run_id, want_events=1, prefix="arpo.rl.alarm")
+    card = next(a for a in artifacts if a.key == "rl-algorithm-card")   # published before the stage ran
+    assert {row["mechanism"]: row["verdict"] for row in json.loads(card.data)}["branch rule"] == "same"
     alert = next(a for a in artifacts if a.key == "rl-alarms")
     assert "| 1 | **entropy_collapse** |" in alert.data and "| stop |" in alert.data
     assert [(e["event"], e["payload"]["stops_run"]) for e in events] == [("arpo.rl.alarm.entropy_collapse", True)]
     stage = next((tmp_path / "rl").iterdir())
+    assert "# Algorithm card: arpo on the local engine" in (stage / "algorithm_card.md").read_text()
     assert not list((stage / "checkpoints").glob("step_*"))       # the alarmed step was not saved
     assert [json.loads(line)["name"] for line in (stage / "alarms.jsonl").read_text().splitlines()] == \
         ["entropy_collapse"]
+
+
+@task
+def card_task(profile: str) -> None:
+    publish_card(load_config(profile).rl)
+
+
+def test_the_algorithm_card_of_the_verl_config_reaches_the_ui() -> None:
+    # the RL task publishes the card before calling the stage; for rl.engine verl it is read back from the verl
+    # overrides (stages/rl/card.py), so it needs no verl here
+    @flow
+    def card_flow() -> str:
+        return str(card_task("aepo-qwen3-14b-deepsearch", return_state=True).state_details.task_run_id)
+
+    _, artifacts, _ = _read(card_flow(), want_events=0)
+    (card,) = [a for a in artifacts if a.key == "rl-algorithm-card"]
+    rows = {row["mechanism"]: row for row in json.loads(card.data)}
+    assert "read back from the verl 0.9.1 overrides" in rows["engine"]["this run"]
+    assert rows["entropy-aware advantage"]["verdict"] == "differs" and "aepo on the verl engine" in card.description

@@ -166,6 +166,6 @@ def test_ui_shows_the_run_its_tasks_and_artifacts(deployed: dict, tmp_path: Path
     for text in ("arpo-pipeline", "pipeline-tiny", "arpo-cpu", "Completed", "Task runs"):
         assert text in header, header[:2000]
     listed = page_text(f"{deployed['url']}/artifacts")
-    for key in ("resolved-config", "sft-loss", "rl-curves", "rl-rollouts", "merge-parity", "eval-report",
-                "run-summary"):
+    for key in ("resolved-config", "sft-loss", "rl-algorithm-card", "rl-curves", "rl-rollouts", "merge-parity",
+                "eval-report", "run-summary"):
         assert key in listed, listed[:2000]

@@ -135,3 +135,10 @@ def test_cuda_weights_on_the_device_follow_the_trainer(cuda_setup) -> None:
         with torch.no_grad():
             model.model.norm.weight.copy_(saved)
         backend.refresh_weights()
+
+
+def test_a_batch_wider_than_the_scheduler_budget_with_seeded_requests(probe) -> None:
+    # 64 prompts of ~300 tokens: > 4096 prompt tokens in one call, each request seeded; chunked prefill would
+    # crash here ("CPU Generator does not use offset"); every request returns its one token
+    wide = probe["wide_batch"]
+    assert wide["prompt_tokens"] > 4096 and wide["generated"] == [1] * 64

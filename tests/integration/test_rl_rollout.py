@@ -1,4 +1,4 @@
-"""The rollout engine on the real tiny model, the real toolbox (local BM25 search over the generated corpus).
+"""The tree rollout on the real tiny model, the real toolbox (local BM25 search over the generated corpus).
 
 The untrained 135M model rarely opens a tool call by itself, so each prompt ends with an assistant prefix that
 opens a search ("...</think>\\n<search>"); the model writes the query and closes the tag itself in most samples
@@ -14,8 +14,8 @@ from stages.core.config.agent import AgentSection, SearchSection
 from stages.core.config.rl import RolloutSection
 from stages.data import read_rl_parquet
 from stages.generation import load_backend
-from stages.generation.prompts import PromptItem, build_prompt_items
-from stages.rl.rollout import RolloutEngine
+from stages.generation.prompt_items import PromptItem, build_prompt_items
+from stages.rl.rollout import TreeRollout
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def test_arpo_groups_and_shared_prefixes(model_and_tokenizer, toolbox, prompts):
     model, tok = model_and_tokenizer
     backend = load_backend("transformers", model, tok)
     # tau = 1: every candidate copies while budget remains
-    engine = RolloutEngine(backend, toolbox, tok, section(branch_probability=1.0, entropy_weight=0.0), seed=0)
+    engine = TreeRollout(backend, toolbox, tok, section(branch_probability=1.0, entropy_weight=0.0), seed=0)
     batch = engine.rollout(prompts)
     assert check_groups(batch, 4) > 0
     assert batch.metrics["tool_calls"] > 0 and batch.metrics["branches"] == sum(g.branches for g in batch.groups)
@@ -99,7 +99,7 @@ def test_aepo_dynamic_groups(model_and_tokenizer, toolbox, prompts):
     backend = load_backend("transformers", model, tok)
     cfg = section(strategy="aepo", dynamic_rollouts=True, branch_penalty=0.05, branch_probability=0.0,
                   probe_tokens=16)
-    batch = RolloutEngine(backend, toolbox, tok, cfg, seed=1).rollout(prompts)
+    batch = TreeRollout(backend, toolbox, tok, cfg, seed=1).rollout(prompts)
     check_groups(batch, 4)
     for g in batch.groups:
         assert set(g.meta) == {"h_root", "h_tool"} and 1 <= g.initial_rollouts <= 4
@@ -113,7 +113,7 @@ def test_kv_reuse_rollout_equals_reprefill_and_costs_less(model_and_tokenizer, t
     batches = {}
     for reuse in (True, False):
         backend = load_backend("transformers", model, tok, kv_reuse=reuse)
-        batches[reuse] = RolloutEngine(backend, toolbox, tok, cfg, seed=0).rollout(prompts[:1])
+        batches[reuse] = TreeRollout(backend, toolbox, tok, cfg, seed=0).rollout(prompts[:1])
     fast, slow = batches[True], batches[False]
     assert fast.metrics["branches"] > 0 and fast.metrics["tool_calls"] > 0
     assert [t.response_ids for t in fast.trajectories] == [t.response_ids for t in slow.trajectories]

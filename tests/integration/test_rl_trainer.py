@@ -1,4 +1,4 @@
-"""The RL trainer on the tiny model with the real rollout engine and toolbox.
+"""The RL trainer on the tiny model with the real tree rollout and toolbox.
 
 - one step changes every trainable parameter (TRL-style), for plain GRPO and for AEPO with every option on
   (balanced clipping, entropy-aware hard-attributed advantages, KL to a frozen reference, entropy bonus);
@@ -27,7 +27,8 @@ from stages.agent.rewards import REWARDS, Reward
 from stages.core.atomic import read_jsonl
 from stages.core.config import load_config
 from stages.core.env import PROJECT_ROOT
-from stages.rl.trainer import RLTrainer, run_rl
+from stages.rl.stage import run_rl
+from stages.rl.trainer import RLTrainer
 
 pytestmark = pytest.mark.integration
 torch.set_num_threads(1)
@@ -87,7 +88,7 @@ configure_environment()
 torch.set_num_threads(1)
 from stages.core.config import load_config
 from stages.core.refs import DatasetRef, ModelRef
-from stages.rl.trainer import run_rl
+from stages.rl.stage import run_rl
 args = json.loads(sys.argv[1])
 cfg = load_config("tiny-cpu", overrides=args["overrides"])
 ref = run_rl(cfg.rl, cfg.agent, ModelRef.model_validate(args["model"]), DatasetRef.model_validate(args["data"]),

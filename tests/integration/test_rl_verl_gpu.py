@@ -44,7 +44,7 @@ def test_verl_engine_trains_resumes_and_merges(inputs):
     from pathlib import Path
 
     from stages.rl.merge import merge_checkpoint
-    from stages.rl.trainer import run_rl
+    from stages.rl.stage import run_rl
 
     cfg, model, data, root = inputs
     ref = run_rl(cfg.rl, cfg.agent, model, data, root, PROJECT_ROOT / ".cache", seed=0, dtype="bfloat16")

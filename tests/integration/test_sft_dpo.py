@@ -1,4 +1,4 @@
-"""Self-critic DPO end to end on the tiny model: trajectories sampled with the RL rollout engine and real tools,
+"""Self-critic DPO end to end on the tiny model: trajectories sampled with the RL tree rollout and real tools,
 (correct, incorrect) pairs, LLaMA-Factory DPO (LoRA, sigmoid, beta 0.1), merged HF folder."""
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ def main(request_path: str, result_path: str) -> None:
     from stages.core.refs import DatasetRef
     from stages.data import read_rl_parquet
     from stages.generation import GenRequest, SamplingSpec
-    from stages.generation.prompts import PromptItem, build_prompt_items
+    from stages.generation.prompt_items import PromptItem, build_prompt_items
     from stages.generation.session import RolloutSession
-    from stages.rl.rollout import RolloutEngine
+    from stages.rl.rollout import TreeRollout
 
     req = json.loads(Path(request_path).read_text())
     torch.set_num_threads(1)
@@ -55,7 +55,7 @@ def main(request_path: str, result_path: str) -> None:
     agent = AgentSection(search=SearchSection(top_k=1, max_chars_per_passage=120))
     data = DatasetRef.model_validate(req["data"])
     started = time.monotonic()
-    session = RolloutSession(cfg.rollout, agent, model, tok, data, Path(req["cache"]), seed=0)
+    session = RolloutSession(cfg.rollout.generation(), agent, model, tok, data, Path(req["cache"]), seed=0)
     out: dict = {"engine_startup_s": round(time.monotonic() - started, 1), "backend": type(session.backend).__name__,
                  "vocab_size": session.backend.vocab_size}
     rows = [r for r in read_rl_parquet(data.file("rl_train")) if r.ability == "qa"][:2]
@@ -72,9 +72,15 @@ def main(request_path: str, result_path: str) -> None:
                      **dict(zip(("trainer_logprobs", "trainer_entropies"),
                                 trainer_logprobs(model, prompts[0].prompt_ids, res.token_ids)))}
 
+    # more prompt tokens than the scheduler's 4096 per step, every request with its own seed: chunked prefill
+    # would split one prefill and crash vLLM 0.32 on CPU; the backend turns it off (stages/generation/vllm_backend.py)
+    wide = [GenRequest(("wide", i), prompts[i % len(prompts)].prompt_ids, 1) for i in range(64)]
+    out["wide_batch"] = {"prompt_tokens": sum(len(r.token_ids) for r in wide),
+                         "generated": [len(r.token_ids) for r in session.backend.generate(wide, SamplingSpec(), seed=0)]}
+
     # an ARPO group with the real tools (tau = 1: every candidate branches while budget remains)
-    engine = RolloutEngine(session.backend, session.toolbox, tok, cfg.rollout, seed=0, show_progress=False)
-    batch = engine.rollout(prompts)
+    tree = TreeRollout(session.backend, session.toolbox, tok, cfg.rollout, seed=0, show_progress=False)
+    batch = tree.rollout(prompts)
     out["metrics"] = {k: v for k, v in batch.metrics.items() if isinstance(v, (int, float))}
     out["groups"] = [[{"traj_id": t.traj_id, "parent_id": t.parent_id, "kind": t.kind, "fork_at": t.fork_at,
                        "response_ids": t.response_ids, "loss_mask": t.loss_mask, "logprobs": t.sample_logprobs,

@@ -13,8 +13,8 @@ import pytest
 @lru_cache(maxsize=1)
 def bwrap_problem() -> str | None:
     """None when the bwrap sandbox runs a call here, else the reason (the message users get)."""
-    from stages.agent.sandbox import resolve_mode
-    from stages.agent.sandbox_os import SandboxUnavailable
+    from stages.agent.sandbox.executor import resolve_mode
+    from stages.agent.sandbox.host import SandboxUnavailable
     from stages.core.config.agent import PythonToolSection
 
     try:

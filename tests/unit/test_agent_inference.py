@@ -1,7 +1,9 @@
-"""Inference-time tools: rollback cutting, code extraction, the helper LLM against a fake OpenAI server."""
+"""Inference-time tools: rollback cutting (Tool-Star's rule), rollback and refiner in the text loop, code
+extraction, the helper LLM against a fake OpenAI server."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -10,12 +12,16 @@ from fastapi import FastAPI, Request
 from stages.agent.inference_tools import (
     CodeDebugger,
     HelperLLM,
+    LoopAids,
     Refiner,
     extract_code,
     rollback_cut,
-    rollback_keep_tokens,
 )
+from stages.agent.loop import LoopRules, TextBudget, TextLoopState, TextSegment, run_text_loop
+from stages.agent.protocol import ANSWER_STOP
+from stages.agent.toolbox import ToolResult
 from stages.core.config.agent import InferenceToolsSection
+from stages.eval.agent_loop import EVAL_STOPS
 from tests.unit.test_agent_search import serve_in_thread
 
 
@@ -37,26 +43,110 @@ def fake_openai(reply_for, log: list) -> FastAPI:
 
 
 @pytest.mark.parametrize("text, expected", [
-    # the newline before <python> follows </think>: keep up to it, then drop that </think>
-    ("<think>a\nb </think>\n<python>x</python>", "<think>a\nb "),
+    # Tool-Star's rule: back over "\n", "</think>" and " " to "b"; keep up to the newline before that line
+    ("<think>a\nb </think>\n<python>x</python>", "<think>a\n"),
     ("<think>t</think> <search>q</search> <result>\nr\n</result>\nthen <python>1/0</python>",
      "<think>t</think> <search>q</search> <result>\nr\n</result>\n"),
     ("<python>x", ""),  # nothing before it
+    ("one line, then <python>x", ""),  # no newline before it: the whole output is regenerated
     ("no code here", None),
-    # two python calls: roll back the last one only
-    ("<python>1</python> <result>\n1\n</result>\nok\n<python>1/0", "<python>1</python> <result>\n1\n</result>\nok\n"),
+    # two python calls: roll back the last one only, with the line that announced it
+    ("<python>1</python> <result>\n1\n</result>\nok\n<python>1/0", "<python>1</python> <result>\n1\n</result>\n"),
+    # Tool-Star's own example shape (rollback_code.py __main__): "...values.\n </think><python>" cuts the
+    # "We will use Python..." line too
+    ("<think> x = 1.\n\nWe will use Python.\n </think><python>\nprint(x)\n</python>", "<think> x = 1.\n\n"),
 ])
 def test_rollback_cut(text, expected):
     assert rollback_cut(text) == expected
 
 
-def test_rollback_keep_tokens():
-    pieces = ["<think>", "a", "\n", "b", " </think>", "\n", "<python>"]
-    text = "".join(pieces)
-    cut = rollback_cut(text)  # "<think>a\nb "
-    # cumulative lengths 7, 8, 9, 10, 19: len(cut) = 11 -> the first 4 tokens fit ("<think>a\nb" = 10 chars)
-    assert rollback_keep_tokens(pieces, len(cut)) == 4
-    assert rollback_keep_tokens(pieces, 0) == 0 and rollback_keep_tokens(pieces, 10_000) == len(pieces)
+class PythonBox:
+    """python: code containing '1/0' fails (with `meta` on the failure), anything else prints 2."""
+
+    def __init__(self, meta: dict | None = None) -> None:
+        self.meta, self.calls = meta or {}, []
+
+    def new_state(self):
+        return None
+
+    async def aexecute(self, call, state):
+        self.calls.append(call.argument)
+        failed = "1/0" in call.argument
+        return ToolResult(call.tool, "ZeroDivisionError" if failed else "2", not failed, 0.0, False,
+                          dict(self.meta) if failed else {})
+
+
+EVAL = LoopRules(stops=EVAL_STOPS, call_limit=None, empty_call="ask")  # the evaluation's rules
+
+
+def scripted(replies):
+    async def generate(output, max_tokens, call):
+        text = replies(output)
+        stop = next((s for s in ("</python>", ANSWER_STOP) if text.endswith(s)), None)
+        return TextSegment(text, "stop" if stop else "eos", stop, len(text.split()))
+    return generate
+
+
+def policy(output: str) -> str:
+    """Writes failing code first; after a rollback (the plan line gone) writes working code, then answers."""
+    if "<result>" in output:
+        return "<answer>2</answer>"
+    if output.endswith("plan\n"):
+        return "<python>print(2)</python>"
+    return "<think>plan\nuse code </think>\n<python>1/0</python>"
+
+
+def aids(**kw) -> LoopAids:
+    return LoopAids(InferenceToolsSection(**kw), None, lambda text: len(text.split()), "prompt", "q")
+
+
+def test_rollback_cuts_the_failed_step_and_regenerates():
+    state, box = TextLoopState(), PythonBox()
+    asyncio.run(run_text_loop(scripted(policy), box, EVAL, TextBudget(50, 500, 10), state,
+                              aids(rollback=True, max_rollback=1)))
+    # the failing call ran, was cut back to "<think>plan\n" (its line and </think> dropped), never rendered
+    assert box.calls == ["1/0", "print(2)"] and state.inference_tools == {"debug": 0, "rollback": 1, "refine": 0}
+    assert state.output == "<think>plan\n<python>print(2)</python> <result>\n2\n</result><answer>2</answer>"
+    assert state.tools_run["python"] == 2  # the failed call counts against the limits, as in Tool-Star
+
+
+def test_rollback_budget_debugger_and_refused_calls():
+    always_fail = lambda output: "<answer>x</answer>" if "<result>" in output else "a\n<python>1/0</python>"
+    # max_rollback 2: two cuts, the third failure's error is appended
+    state = TextLoopState()
+    asyncio.run(run_text_loop(scripted(always_fail), PythonBox(), EVAL, TextBudget(50, 500, 10), state,
+                              aids(rollback=True, max_rollback=2)))
+    assert state.inference_tools["rollback"] == 2 and "ZeroDivisionError" in state.output
+    # a call the debugger already tried is not rolled back (Tool-Star run.py 200-218); it counts as a debug use
+    for meta, debug in (({"debug_attempted": True}, 1), ({"rejected": "limit"}, 0), ({"internal_error": 1}, 0)):
+        state = TextLoopState()
+        asyncio.run(run_text_loop(scripted(always_fail), PythonBox(meta), EVAL, TextBudget(50, 500, 10), state,
+                                  aids(rollback=True, max_rollback=2)))
+        assert state.inference_tools == {"debug": debug, "rollback": 0, "refine": 0}
+
+
+def test_refiner_compresses_once_past_the_threshold():
+    log: list = []
+    with serve_in_thread(fake_openai(lambda prompt: "<think>short</think>\n", log)) as url:
+        cfg = InferenceToolsSection(refiner=True, max_refine=1, refine_threshold_tokens=6, llm_url=f"{url}/v1",
+                                    llm_model="helper")
+        refiner = Refiner(HelperLLM.from_config(cfg), cfg.refine_threshold_tokens)
+        loop_aids = LoopAids(cfg, refiner, lambda text: len(text.split()), "the prompt", "what is 1+1?")
+        outputs = []
+
+        async def writer(output: str, max_tokens: int, call: int) -> TextSegment:
+            outputs.append(output)
+            if call == 2:
+                return TextSegment("<answer>2</answer>", "stop", ANSWER_STOP, 1)
+            return TextSegment("<think>one two three four</think>\n", "length", None, 4)  # cut: the loop goes on
+
+        state = TextLoopState()
+        asyncio.run(run_text_loop(writer, PythonBox(), EVAL, TextBudget(50, 500, 10), state, loop_aids))
+    # prompt 2 tokens + output 4 = 6 >= 6 before the second generation: compressed once; 2 + 6 = 8 before the
+    # third, but max_refine = 1
+    assert outputs[1] == "<think>short</think>" and state.inference_tools["refine"] == 1   # the reply, stripped
+    assert len(log) == 1 and "what is 1+1?" in log[0]["messages"][0]["content"]
+    assert state.output == "<think>short</think><think>one two three four</think>\n<answer>2</answer>"
 
 
 def test_extract_code():

@@ -12,9 +12,9 @@ import pytest
 from stages.agent.loop import LoopRules, Segment, Step, TextBudget, TextLoopState, TextSegment, next_step, run_text_loop
 from stages.agent.protocol import ANSWER_STOP, ToolCall
 from stages.core.env import PROJECT_ROOT
-from stages.generation.engine import TIRRollout
-from stages.generation.prompts import PromptItem
-from stages.rl.rollout import RolloutEngine
+from stages.generation.prompt_items import PromptItem
+from stages.generation.tool_rollout import ToolRollout
+from stages.rl.rollout import TreeRollout
 from tests.unit.test_rl_rollout import SEARCH, cfg, search_then_answer
 from tests.unit.test_rl_rollout_fakes import ScriptedBackend, ToyTokenizer, ToyToolBox
 
@@ -76,14 +76,14 @@ def test_text_loop_continues_a_cut_call_and_renders_results():
 
 
 def test_sampling_driver_is_rl_engine_without_branching():
-    # TIRRollout (SFT's sampling) and RL's engine under the grpo strategy run the same loop: identical batches
+    # ToolRollout (SFT's sampling) and RL's TreeRollout under the grpo strategy run the same loop: identical batches
     def run(engine_cls):
         tok = ToyTokenizer()
         engine = engine_cls(ScriptedBackend(tok, search_then_answer()), ToyToolBox(), tok, cfg(n=3, initial_rollouts=3),
                             seed=4, show_progress=False)
         return engine.rollout([PromptItem(0, tok.encode("user: q\nassistant:"), "q", "A", "qa")])
 
-    plain, rl = run(TIRRollout), run(RolloutEngine)
+    plain, rl = run(ToolRollout), run(TreeRollout)
     strip = lambda b: [(t.response_ids, t.loss_mask, t.finish_reason, t.kind) for t in b.trajectories]
     assert strip(plain) == strip(rl) and len(plain.trajectories) == 3
     assert plain.trajectories[0].response_text.startswith(SEARCH)

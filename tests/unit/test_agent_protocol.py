@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.agent.prompts import build_messages, stop_tags, template_tools
+from stages.agent.prompt_templates import build_messages, template_tools
 from stages.agent.protocol import (
     STOP_TAGS,
     ToolCall,
@@ -133,7 +133,6 @@ def test_build_messages_and_template_tools():
     assert template_tools("tir_search") == ("search",)
     assert template_tools("tir_python") == ("python",)
     assert template_tools("no_tool") == ()
-    assert stop_tags("tir_python") == ("</python>",)
 
 
 def test_build_messages_errors():

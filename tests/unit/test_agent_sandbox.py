@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.agent.sandbox import PythonSandbox
-from stages.agent.sandbox_os import processes_of
-from stages.agent.sandbox_spec import clip_output, prepare_code, strip_fences
+from stages.agent.sandbox.executor import PythonSandbox
+from stages.agent.sandbox.host import processes_of
+from stages.agent.sandbox.spec import clip_output, prepare_code, strip_fences
 from stages.core.config.agent import PythonToolSection
 from tests.unit.agent_support import require_bwrap
 
@@ -69,7 +69,7 @@ def test_last_expression_and_errors(sandbox):
     error = sandbox.run("1/0")
     assert error.status == "error" and "ZeroDivisionError: division by zero" in error.text
     # the runner's own frames are not in the traceback
-    assert "sandbox_runner" not in error.text and 'File "<python>", line 1' in error.text
+    assert "zygote_server" not in error.text and 'File "<python>", line 1' in error.text
     syntax = sandbox.run("def f(:")
     assert syntax.status == "error" and "SyntaxError" in syntax.text
     assert sandbox.run("import sys; sys.exit(3)").returncode == 3

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.agent.sandbox import PythonSandbox, probe_bwrap, resolve_mode
-from stages.agent.sandbox_os import (
+from stages.agent.sandbox.executor import PythonSandbox, probe_bwrap, resolve_mode
+from stages.agent.sandbox.host import (
     UID_SPAN,
     SandboxUnavailable,
     UidAllocator,
@@ -108,9 +108,9 @@ def test_interpreter_in_a_venv_under_tmp():
 NON_ROOT_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     from concurrent.futures import ThreadPoolExecutor
-    from stages.agent.sandbox_os import interpreter_paths, tasks_of
-    from stages.agent.sandbox_spec import sandbox_env
-    from stages.agent.sandbox_zygote import WarmParent, zygote_argv
+    from stages.agent.sandbox.host import interpreter_paths, tasks_of
+    from stages.agent.sandbox.spec import sandbox_env
+    from stages.agent.sandbox.zygote_client import WarmParent, zygote_argv
 
     settings = {"preload": [], "timeout_s": 4.0, "seed": None, "workdir_mb": 16,
                 "limits": {"cpu_s": 2, "memory_mb": 256, "max_processes": 12, "max_file_mb": 2, "max_open_files": 64}}
@@ -168,8 +168,8 @@ def test_non_root_calls_get_their_own_user_namespace():
         (package / "stages" / "agent").mkdir(parents=True)
         for init in ("stages/__init__.py", "stages/agent/__init__.py"):
             (package / init).write_text("")
-        for name in ("sandbox_isolation", "sandbox_os", "sandbox_runner", "sandbox_spec", "sandbox_zygote"):
-            shutil.copy(PROJECT_ROOT / "stages" / "agent" / f"{name}.py", package / "stages" / "agent")
+        shutil.copytree(PROJECT_ROOT / "stages" / "agent" / "sandbox", package / "stages" / "agent" / "sandbox",
+                        ignore=shutil.ignore_patterns("__pycache__", "executor.py"))
         for path in [package, *package.rglob("*")]:
             path.chmod(0o755)
         done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
@@ -217,7 +217,7 @@ def test_identity_tracks_what_changes_results():
 # ---- per-call uids are unique across processes ------------------------------------------------------------------
 ALLOCATE = textwrap.dedent("""
     import json, sys
-    from stages.agent.sandbox_os import UidAllocator
+    from stages.agent.sandbox.host import UidAllocator
     from pathlib import Path
     allocator = UidAllocator(5000, Path(sys.argv[1]))
     print(json.dumps([allocator.acquire() for _ in range(20)]))

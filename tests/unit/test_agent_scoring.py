@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from stages.agent.scoring import (
+from stages.agent.answer_match import (
     MAX_MATH_CHARS,
     exact_match,
     f1_score,
@@ -20,7 +20,7 @@ from stages.agent.scoring import (
 @pytest.mark.parametrize("text, expected", [
     ("The Eiffel Tower!", "eiffel tower"),
     ("  A  cat, an apple;  THE end ", "cat apple end"),
-    ("\\frac{1}{2}", "frac12"),  # the reference's math-as-text quirk (research/arpo.md 6.1)
+    ("\\frac{1}{2}", "frac12"),  # the reference's math-as-text quirk (docs/reference.md "Reward")
     ("theatre", "theatre"),  # 'the' only as a whole word
 ])
 def test_normalize_answer(text, expected):

@@ -164,13 +164,15 @@ def test_debugger_fixes_failing_code(corpus, tmp_path):
             state = debug_box.new_state()
             fixed = debug_box.execute(ToolCall("python", "print(7 / undefined)"), state)
             assert fixed.ok and fixed.text == "3" and fixed.meta["debugged"] and state.scratch["python_debug"] == 1
+            assert fixed.meta["debug_attempted"]  # the text loop counts it (and does not roll it back)
             # max_debug = 1: the second failure of this trajectory is returned as is
             second = debug_box.execute(ToolCall("python", "1/0"), state)
             assert not second.ok and "ZeroDivisionError" in second.text and len(log) == 1
+            assert "debug_attempted" not in second.meta
 
 
 def test_a_new_tool_is_one_registered_class(tmp_path):
-    from stages.agent.prompts import template_tools
+    from stages.agent.prompt_templates import template_tools
     from stages.agent.protocol import check_format, count_tool_calls
     from stages.agent.tools import TOOLS, Tool, ToolOutput, register_tool
 

@@ -9,7 +9,7 @@ import pytest
 
 from stages.agent.cache import ToolCache
 from stages.agent.protocol import ToolCall
-from stages.agent.sandbox import PythonSandbox
+from stages.agent.sandbox.executor import PythonSandbox
 from stages.agent.search import build_search
 from stages.agent.search.replay import ReplayBackend
 from stages.agent.search.server import ServerBackend

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.core.config import load_config
 from stages.core.config.eval import HeldoutSection
 from stages.core.env import PROJECT_ROOT
 from stages.heldout import summarize_verdicts
@@ -26,14 +25,35 @@ def _module(name: str):
 report = _module("learning_report")
 
 
+bench = _module("bench_learning")
+
+
 @pytest.mark.parametrize("algo", ["grpo", "arpo", "aepo"])
-def test_learning_config_validates_for_every_algorithm(algo: str) -> None:
-    cfg = load_config("tiny-cpu", [f"rl.algorithm={algo}"], extra_file=BENCH / "learning.yaml")
-    assert cfg.rl.rollout.strategy == algo and cfg.rl.rollout.n == 8
-    assert cfg.data.synthetic.n_arith == 400 and cfg.data.synthetic.n_math == cfg.data.synthetic.n_qa == 0
-    assert cfg.agent.prompt_template == cfg.data.system_prompt == "tir_python_short"
-    # the same rollout budget whatever the algorithm
-    assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 6)
+@pytest.mark.parametrize("family", ["arith", "chain"])
+def test_learning_config_validates_for_every_family_and_algorithm(family: str, algo: str) -> None:
+    args = bench.parse_args(["--backend", "transformers"])
+    cfg = bench.load(args, family, algo)
+    assert cfg.rl.rollout.strategy == algo and cfg.rl.rollout.n == 8 and cfg.rl.rollout.backend == "transformers"
+    syn = cfg.data.synthetic
+    assert syn.n_math == syn.n_qa == 0 and (syn.n_arith, syn.n_chain) == ((400, 0) if family == "arith" else (0, 400))
+    prompt = "tir_python_short" if family == "arith" else "tir_search_python_short"
+    assert cfg.agent.prompt_template == cfg.data.system_prompt == prompt
+    # the same rollout budget whatever the algorithm; the response budget is the family's
+    assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 10 if family == "arith" else 8)
+    assert cfg.rl.rollout.max_response_length == (160 if family == "arith" else 256)
+    assert bench.heldout_spec(args, cfg).call_limit == cfg.rl.rollout.call_limit
+
+
+def test_two_level_interval_holds_the_seed_spread() -> None:
+    # same questions: a perfect vs a useless algorithm, every seed alike -> every draw gives +1
+    assert report.two_level_diff(np.ones((5, 3)), np.zeros((5, 2))) == pytest.approx((1.0, 1.0, 1.0))
+    # a: seed 0 right everywhere, seed 1 wrong everywhere; b: 0.5 everywhere. Mean difference 0; a draw of a's
+    # seeds is {0,0} (+0.5), {1,1} (-0.5) or mixed (0), each extreme with probability 1/4 -> interval [-0.5, 0.5]
+    a = np.array([[1.0, 0.0]] * 4)
+    diff, low, high = report.two_level_diff(a, np.full((4, 2), 0.5))
+    assert diff == pytest.approx(0.0) and low == pytest.approx(-0.5) and high == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="same questions"):
+        report.two_level_diff(np.ones((3, 2)), np.ones((4, 2)))
 
 
 def test_paired_gain_is_exact_when_every_question_moves_the_same_way() -> None:
@@ -56,35 +76,41 @@ def test_spread_and_early_late() -> None:
     assert report.early_late(rows, "r") == (2.0, 6.0)
 
 
-def _run(algo: str, seed: int, correct: list[float], tools: float) -> dict:
+def _run(algo: str, seed: int, correct: list[float], tools: float, alarms: list | None = None) -> dict:
     steps = [{"step": s, "reward/mean": 0.1 * s, "accuracy": 0.1 * s, "tools/calls_per_traj": 1.0,
               "rollout/tool_calls_executed_per_traj": tools, "rollout/branches_per_group": 2.0 if algo != "grpo"
-              else 0.0, "entropy/mean": 0.05, "reward/groups_without_signal": 0.5, "timing/step_s": 60.0}
+              else 0.0, "entropy/mean": 0.05, "reward/groups_without_signal": 0.5, "timing/step_s": 60.0,
+              "reward/format_error_rate": 0.1, "response/length": 90.0}
              for s in range(1, 7)]
     acc = float(np.mean(correct))
-    return {"algorithm": algo, "seed": seed, "correct_Q": correct, "steps": steps,
+    return {"algorithm": algo, "seed": seed, "correct_Q": correct, "steps": steps, "alarms": alarms or [],
+            "questions": [f"q{i}" for i in range(len(correct))],
             "advantage_signs": {"agreement": 1.0, "trajectories": 8.0},
-            "heldout": {"accuracy": acc, "ci_low": acc - 0.1, "ci_high": acc + 0.1, "tool_calls_per_traj": 1.0,
+            "heldout": {"accuracy": acc, "ci_low": acc - 0.1, "ci_high": acc + 0.1, "tool_calls_per_traj": tools,
                         "format_valid": 1.0}}
 
 
-def test_verdicts_say_plainly_whether_rl_beats_sft_and_compare_arpo_with_grpo() -> None:
+def test_verdicts_say_plainly_whether_rl_beats_sft_and_judge_both_claims() -> None:
     sft = _run("sft", 0, [0.0] * 10 + [1.0] * 10, 1.0)
+    floor = {"name": "reward_at_floor", "step": 3, "message": "mean reward -1.00 for 3 steps"}
     runs = {"grpo": [_run("grpo", s, [1.0] * 19 + [0.0], 1.0) for s in (0, 1)],          # 0.95 both seeds
-            "arpo": [_run("arpo", 0, [0.0] * 10 + [1.0] * 10, 0.5), _run("arpo", 1, [1.0] * 20, 0.5)]}
+            "arpo": [_run("arpo", 0, [0.0] * 10 + [1.0] * 10, 0.5, [floor]), _run("arpo", 1, [1.0] * 20, 0.5)]}
     summaries = {algo: report.algorithm_summary(r, sft) for algo, r in runs.items()}
     # GRPO: 9 of 10 wrong questions fixed, 1 right one lost -> gain 0.45 > seed range 0
     assert summaries["grpo"]["gain"]["mean"] == pytest.approx(0.45)
-    lines = report.verdicts(summaries, sft)
+    lines = report.verdicts(summaries, sft, runs)
     assert "RL beats SFT beyond the seed-to-seed spread" in lines[0]
     # ARPO: seed 0 unchanged (gain 0, interval touches 0), seed 1 perfect: mean 0.25 < range 0.5
     assert "not distinguishable" in lines[1]
     assert lines[2].startswith("sanity: advantage sign") and "grpo 100%" in lines[2]
-    assert "ARPO - GRPO held-out accuracy -0.200" in lines[3] and "within noise" in lines[3]
-    assert "ARPO 0.50 vs GRPO 1.00 (0.50x)" in lines[4]
+    # ARPO 0.75 vs GRPO 0.95 -> -0.200; a draw of ARPO's seeds {0, 0} gives 0.5 - 0.95, {1, 1} gives +0.05
+    assert "claim 1" in lines[3] and "ARPO - GRPO -0.200" in lines[3] and "not distinguishable at this scale" in lines[3]
+    assert "claim 2" in lines[4] and "ARPO 0.50 vs GRPO 1.00 (0.50x" in lines[4] and "about half in training" in lines[4]
+    assert lines[5] == "collapse: arpo seed 0 -- alarm reward_at_floor at step 3: mean reward -1.00 for 3 steps"
     table = report.table_rows(summaries, sft)
     assert [r["policy"] for r in table] == ["SFT", "grpo (2 seeds)", "arpo (2 seeds)"]
     assert table[1]["reward early -> late"] == "0.20 -> 0.50"          # steps 1-3 vs 4-6 of 0.1 * step
+    assert table[2]["runs with alarms"] == "reward_at_floor 1/2"
 
 
 def test_advantage_sign_agreement_flags_a_flipped_sign() -> None:
@@ -102,7 +128,7 @@ def test_advantage_sign_agreement_flags_a_flipped_sign() -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     sft = _run("sft", 0, [0.0, 1.0], 1.0)
     results = {"sft": sft, "grpo:0": _run("grpo", 0, [1.0, 1.0], 1.0), "arpo:0": _run("arpo", 0, [0.0, 1.0], 0.5)}
-    png = report.plot(results, sft, tmp_path / "learning.png")
+    png = report.plot(results, sft, tmp_path / "learning.png", "arith")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -27,7 +27,7 @@ def read_yaml_text(text: str) -> dict:
 
 def test_every_yaml_under_configs_parses() -> None:
     files = [p for p in CONFIG_DIR.rglob("*.y*ml")]
-    assert any(p.name == "base.yaml" for p in files)
+    assert len([p for p in files if p.parent.name == "profiles"]) >= 4
     for path in files:
         assert isinstance(read_yaml(path), dict), path
 
@@ -63,7 +63,6 @@ def test_unknown_section_lists_valid_keys() -> None:
 
 def test_unknown_key_in_a_yaml_file_fails(tmp_path: Path) -> None:
     (tmp_path / "profiles").mkdir()
-    (tmp_path / "base.yaml").write_text((CONFIG_DIR / "base.yaml").read_text())
     (tmp_path / "profiles" / "bad.yaml").write_text("sft:\n  learning_rat: 1.0e-5\n")
     with pytest.raises(ConfigError, match="'sft.learning_rat'.*'sft.learning_rate'"):
         load_config("bad", config_dir=tmp_path)
@@ -108,18 +107,21 @@ def test_override_without_equals_is_explained() -> None:
 
 
 def test_section_hash_changes_only_with_that_section() -> None:
+    from stages.core.fingerprint import hash_value
+
+    # a stage key hashes its own sections: an RL override must leave the SFT section's hash alone
     a = load_config("tiny-cpu")
     b = load_config("tiny-cpu", ["rl.rollout.n=8"])
-    assert a.section_hash("sft") == b.section_hash("sft")
-    assert a.section_hash("rl") != b.section_hash("rl")
+    assert hash_value(a.sft) == hash_value(b.sft)
+    assert hash_value(a.rl) != hash_value(b.rl)
 
 
 def test_algorithm_is_the_one_source_of_the_rollout_strategy() -> None:
     grpo = load_config("tiny-cpu", ["rl.algorithm=grpo"])
     assert (grpo.rl.rollout.strategy, grpo.rl.loss.policy_loss, grpo.rl.rollout.branch_penalty) == \
         ("grpo", "ppo_dual_clip", 0.0)
-    # the reference AEPO script (research/arpo.md 3): balanced clipping on, entropy-aware advantage on, dynamic
-    # rollouts off; branch penalty 0.05 (issue #44: (u + w dH)(1 - 0.05 c))
+    # the reference AEPO script (docs/reference.md "Published runs"): balanced clipping on, entropy-aware advantage
+    # on, dynamic rollouts off; branch penalty 0.05 (issue #44: (u + w dH)(1 - 0.05 c))
     aepo = load_config("tiny-cpu", ["rl.algorithm=aepo"])
     assert (aepo.rl.rollout.strategy, aepo.rl.rollout.branch_penalty, aepo.rl.loss.policy_loss,
             aepo.rl.advantage.entropy_aware, aepo.rl.rollout.dynamic_rollouts) == \
@@ -134,6 +136,11 @@ def test_algorithm_is_the_one_source_of_the_rollout_strategy() -> None:
     (["rl.algorithm=grpo", "rl.advantage.entropy_aware=true", "rl.rollout.branch_penalty=0.05"],
      "entropy_aware=true, rl.rollout.branch_penalty=0.05: AEPO setting.*rl.algorithm=grpo"),
     (["rl.rollout.dynamic_rollouts=true"], "dynamic_rollouts=true: AEPO setting"),
+    (["rl.advantage.entropy_scope=micro_batch"], "entropy_scope=micro_batch: AEPO setting"),
+    (["rl.algorithm=aepo", "rl.advantage.entropy_aware=false", "rl.advantage.entropy_scope=micro_batch"],
+     "entropy_aware=false turns off; remove one"),
+    # the reference's #42 class (initial roots above the budget crashed its rollout): refused here
+    (["rl.rollout.initial_rollouts=9", "rl.rollout.n=8"], "initial_rollouts=9 exceeds rl.rollout.n=8"),
 ])
 def test_contradicting_algorithm_settings_fail_with_the_fix(overrides, fix) -> None:
     with pytest.raises(ConfigError, match=fix) as err:
@@ -142,9 +149,36 @@ def test_contradicting_algorithm_settings_fail_with_the_fix(overrides, fix) -> N
 
 
 def test_aepo_component_switched_off_is_an_ablation() -> None:
-    from stages.rl.trainer import aepo_components_off
+    from stages.rl.stage import aepo_components_off
 
     cfg = load_config("aepo-qwen3-14b-deepsearch", ["rl.rollout.branch_penalty=0", "rl.loss.policy_loss=ppo_dual_clip"])
     assert cfg.rl.rollout.branch_penalty == 0.0 and cfg.rl.advantage.entropy_aware
     assert aepo_components_off(cfg.rl) == ["entropy-balanced clipping", "branch penalty"]
     assert aepo_components_off(load_config("aepo-qwen3-14b-deepsearch").rl) == []
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    (["rl.loss.aggregation=micro_token_mean"], "micro_token_mean .*local engine only.*Use aggregation=token_mean"),
+    (["rl.advantage.entropy_scope=micro_batch"], "entropy_scope=micro_batch runs on the local engine only"),
+    (["rl.trainer.old_logprobs=rollout", "rl.advantage.entropy_aware=false"],
+     "old_logprobs=rollout runs on the local engine only"),
+])
+def test_local_engine_only_settings_are_refused_under_verl(overrides, fix) -> None:
+    with pytest.raises(ConfigError, match=fix):
+        load_config("aepo-qwen3-14b-deepsearch", overrides)
+    assert load_config("tiny-cpu", ["rl.algorithm=aepo", *overrides]).rl.engine == "local"  # fine locally
+
+
+def test_generation_settings_carry_the_rollout_sections_values() -> None:
+    import dataclasses
+
+    from stages.core.config.rl import RolloutSection
+
+    section = RolloutSection(strategy="grpo", n=4, initial_rollouts=4, temperature=0.7, top_k=5, kv_reuse=False,
+                             max_response_length=64, prompt_overflow="skip")
+    settings = section.generation()
+    # every field generation reads is the section's own value, by name (no default restated elsewhere)
+    assert {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} == \
+        {f.name: getattr(section, f.name) for f in dataclasses.fields(settings)}
+    assert (settings.n, settings.temperature, settings.top_k, settings.kv_reuse, settings.prompt_overflow) == \
+        (4, 0.7, 5, False, "skip")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stages.core.atomic import atomic_path, read_jsonl, write_json
-from stages.core.fingerprint import code_version, hash_path, hash_value, stable_json
+from stages.core.fingerprint import hash_path, hash_value, stable_json
 from stages.core.registry import Registry, UnknownNameError
 from stages.core.workspace import stage_dir
 
@@ -48,11 +48,6 @@ def test_hash_path_tracks_content_and_names(tmp_path: Path) -> None:
     assert len({first, second, third}) == 3
     with pytest.raises(FileNotFoundError, match="does not exist"):
         hash_path(tmp_path / "missing")
-
-
-def test_code_version_is_stable_and_package_specific() -> None:
-    assert code_version("stages.core") == code_version("stages.core")
-    assert code_version("stages.core") != code_version("stages.data")
 
 
 def test_atomic_path_leaves_old_content_on_failure(tmp_path: Path) -> None:

@@ -59,6 +59,24 @@ def test_arith_family_is_one_product_and_leaves_the_other_tasks_alone() -> None:
     assert len(only) == len({t.question for t in only}) and all(10 <= int(t.answer) <= 99 * 99 for t in only)
 
 
+def test_chain_family_is_a_lookup_then_a_computation_on_its_result() -> None:
+    world = generate(SMALL.model_copy(update={"n_chain": 12}))
+    docs = {d["id"]: d["contents"] for d in world.corpus}
+    chain = [t for t in world.tasks if t.kind == "chain"]
+    assert len(chain) == 12 and all(t.id.startswith("chain-") for t in chain)
+    for task in chain:
+        (hop,) = task.hops
+        year = int(hop.fact.split(" in ")[1])              # "born in 1957" / "founded in 1923"
+        assert hop.fact in docs[hop.doc_id] and docs[hop.doc_id].startswith(hop.query)  # the searched name's doc
+        assert hop.query in task.question and str(year) not in task.question       # only the search has the year
+        assert task.answer == str(2025 - year) and task.solution_code == f"print(2025 - {year})"
+    # drawn after the other families: the same math and qa tasks as without chain
+    others = {(t.id, t.question, t.answer) for t in world.tasks if t.kind != "chain"}
+    assert others == {(t.id, t.question, t.answer) for t in generate(SMALL).tasks}
+    with pytest.raises(ValueError, match="n_entities"):
+        generate(SMALL.model_copy(update={"n_chain": 10_000}))
+
+
 def test_qa_answers_are_in_the_corpus_along_the_hops() -> None:
     world = generate(SMALL)
     docs = {d["id"]: d["contents"] for d in world.corpus}

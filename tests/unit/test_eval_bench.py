@@ -45,7 +45,7 @@ def test_registry_has_every_benchmark_of_the_paper_plus_synthetic():
     assert {n for n, spec in BENCHMARKS.items() if spec.headline == "f1"} == {"hotpotqa", "2wiki", "musique",
                                                                                "bamboogle"}
     assert {spec.headline for spec in BENCHMARKS.values()} == {"f1", "llm_equal"}
-    # field mapping facts of research/arpo.md 7.3
+    # field mapping facts of docs/reference.md "Evaluation" (Benchmarks and fields)
     assert BENCHMARKS["aime25"].question_field == "problem" and BENCHMARKS["gaia"].question_field == "Question"
     assert BENCHMARKS["hle"].files[-1] == "hle/top.json"
 
@@ -177,13 +177,13 @@ def test_check_benchmarks_fails_before_work_listing_every_missing_file(tmp_path,
 
 
 def test_per_benchmark_prompt_templates():
-    from stages.agent.prompts import system_prompt, template_tools
+    from stages.agent.prompt_templates import system_prompt, template_tools
     from stages.core.config.agent import AgentSection
     from stages.core.config.eval import EvalSection
     from stages.eval.inference import benchmark_template
 
     # the reference runs xbench through infer_cn.py with its Chinese `code_search_cn` system prompt, everything
-    # else with `code_search` (research/arpo.md 4.2, 8.2)
+    # else with `code_search` (docs/reference.md "System prompt")
     assert [n for n, spec in BENCHMARKS.items() if spec.prompt_template] == ["xbench"]
     assert template_tools("tir_search_python_zh") == ("search", "python")
     assert "Wikipedia 搜索工具" in system_prompt("tir_search_python_zh")
@@ -267,7 +267,7 @@ def test_reference_numbers_reject_undeclared_settings(tmp_path):
     from stages.eval.report import load_reference_numbers
 
     table = load_reference_numbers()
-    # research/arpo.md 10: Qwen3-14B + ARPO reaches GAIA pass@5 61.2
+    # docs/reference.md "Published numbers": Qwen3-14B + ARPO reaches GAIA pass@5 61.2
     row = table[(table.setting == "arpo-qwen3-14b") & (table.benchmark == "gaia") & (table.metric == "pass@5")]
     assert row["value"].tolist() == [61.2] and row["model"].tolist() == ["Qwen3-14B"]
     assert row["measure"].tolist() == ["llm_equal"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stages.eval.benchmarks import GOLD_PARSERS
-from stages.eval.metrics import (
+from stages.eval.sample_metrics import (
     MathVerifier,
     cover_match,
     effective_prediction,
@@ -86,8 +86,8 @@ def test_headline_metric_is_the_papers_with_the_judge_on_or_off():
 
 
 def test_boxed_text_and_escaped_dollars_score_like_the_reference(shared_data):
+    from stages.agent.answer_match import math_equivalent
     from stages.agent.protocol import extract_answer
-    from stages.agent.scoring import math_equivalent
     from stages.eval.benchmarks import load_benchmark
 
     root = shared_data / "eval"

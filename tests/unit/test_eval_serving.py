@@ -124,8 +124,8 @@ def test_supervisor_kills_the_group_when_the_pipeline_dies_by_sigkill(tmp_path: 
 
 
 def test_external_backend_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    with pytest.raises(ServeError, match="needs serve.url"):
-        start_server(ServeSection(backend="external"), MODEL, tmp_path)
+    with pytest.raises(ValueError, match="needs serve.url"):   # refused when the config loads
+        ServeSection(backend="external")
     monkeypatch.delenv("ARPO_TEST_KEY", raising=False)
     cfg = ServeSection(backend="external", url="http://127.0.0.1:1/v1", api_key_env="ARPO_TEST_KEY")
     with pytest.raises(ServeError, match="export ARPO_TEST_KEY"):
@@ -149,8 +149,8 @@ def test_judge_is_none_policy_or_served(tmp_path: Path) -> None:
     stop_server(judge)  # shared: a no-op, never kills the policy server (pgid 999999999 would raise otherwise)
     with pytest.raises(ServeError, match="needs the policy endpoint"):
         start_judge(JudgeSection(model="policy"), None, tmp_path)
-    with pytest.raises(ServeError, match="eval.judge.path"):
-        start_judge(JudgeSection(model="path"), policy, tmp_path)
+    with pytest.raises(ValueError, match="eval.judge.path"):   # refused when the config loads
+        JudgeSection(model="path")
 
 
 def test_planned_endpoints_carry_what_the_started_ones_would() -> None:

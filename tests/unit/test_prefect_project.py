@@ -54,9 +54,11 @@ def no_server(monkeypatch):
 
 
 def test_without_a_server_arpo_run_goes_ephemeral(no_server, monkeypatch):
-    # an empty PREFECT_API_URL beats prefect.toml's URL: the run gets an ephemeral server instead of an error
-    assert cli.use_local_server_if_running() is None
-    assert os.environ["PREFECT_API_URL"] == ""
+    # the run gets its own temporary server, named in PREFECT_API_URL (which beats prefect.toml's URL), instead of
+    # an error; never an empty PREFECT_API_URL, which sends Prefect's events to "" (a traceback per event)
+    started = []
+    monkeypatch.setattr(cli, "start_ephemeral_server", lambda: started.append(1))
+    assert cli.use_local_server_if_running() is None and started == [1]
 
 
 def test_the_project_server_is_used_when_it_answers(no_server, monkeypatch):
@@ -64,7 +66,9 @@ def test_the_project_server_is_used_when_it_answers(no_server, monkeypatch):
     assert cli.use_local_server_if_running() == TOML["api"]["url"].removesuffix("/api")
     assert os.environ["PREFECT_API_URL"] == TOML["api"]["url"]
     # --ephemeral wins over a server that answers
-    assert cli.use_local_server_if_running(ephemeral=True) is None and os.environ["PREFECT_API_URL"] == ""
+    started = []
+    monkeypatch.setattr(cli, "start_ephemeral_server", lambda: started.append(1))
+    assert cli.use_local_server_if_running(ephemeral=True) is None and started == [1]
 
 
 def test_flow_parameters_offer_choices():

@@ -125,6 +125,40 @@ def test_aggregation_loop_equivalence():
         pytest.approx(sum(sum(r) / 10 for r in rows) / 5, abs=TOL)
 
 
+def test_micro_token_mean_is_the_references_weighting():
+    # reference (verl 0.3 fork dp_actor.py): each micro-batch's token mean x (rows in it / rows in the mini-batch)
+    # micro-batches of 1 row: row 0 has 3 tokens, row 1 has 1; M = 2
+    #   row 0: (1+2+3)/3 * 1/2 = 1.0; row 1: 4/1 * 1/2 = 2.0 -> 3.0 (token_mean: 2.5)
+    assert aggregate(LOSS, MASK, "micro_token_mean", 4, micro_rows=1).item() == pytest.approx(3.0, abs=TOL)
+    weights = aggregation_weights("micro_token_mean", MASK, 4, micro_rows=1)
+    flat = aggregation_weights("token_mean", MASK, 4)
+    # per-token factor against token_mean = mean length of the mini-batch (4/2 = 2) / that of the micro-batch
+    assert (weights[0, 0] / flat[0, 0]).item() == pytest.approx(2 / 3, abs=TOL)
+    assert (weights[1, 0] / flat[1, 0]).item() == pytest.approx(2 / 1, abs=TOL)
+    # one micro-batch = the mini-batch: token_mean
+    assert aggregate(LOSS, MASK, "micro_token_mean", 4, micro_rows=2).item() == pytest.approx(2.5, abs=TOL)
+    gen = torch.Generator().manual_seed(1)
+    loss = torch.randn(5, 7, generator=gen)
+    mask = (torch.rand(5, 7, generator=gen) < 0.6).float()
+    expected = sum((loss[s:s + 2] * mask[s:s + 2]).sum() / mask[s:s + 2].sum() * (mask[s:s + 2].shape[0] / 5)
+                   for s in range(0, 5, 2))
+    assert aggregate(loss, mask, "micro_token_mean", 7, micro_rows=2).item() == pytest.approx(expected.item(),
+                                                                                           abs=TOL)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        AGGREGATIONS.get("micro_token_mean")(MASK, 4, 0)
+
+
+def test_kl_k3_is_clamped_as_low_var_kl():
+    # x = ref - logp = 3: e^3 - 3 - 1 = 16.0855 -> clamped to 10 (verl low_var_kl), so its gradient is 0;
+    # x = 2: e^2 - 2 - 1 = 4.389056 stays, with gradient d/dlogp (e^x - x - 1) = -(e^x - 1) = -6.389056
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[3.0, 2.0]])
+    kl = kl_penalty(logp, ref, "k3")
+    assert kl[0].tolist() == pytest.approx([10.0, 4.389056], abs=TOL)
+    kl.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -6.389056], abs=TOL)
+
+
 def test_kl_k1_k3():
     # logp = ln 0.5, ref = ln 0.25: k1 = ln 2 = 0.693147;
     # k3: x = ref - logp = -ln 2 -> e^x - x - 1 = 0.5 + 0.693147 - 1 = 0.193147

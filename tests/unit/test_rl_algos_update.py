@@ -12,8 +12,9 @@ import torch
 from stages.core.config.rl import RLSection
 from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
 from stages.rl import checkpoint as ckpt
+from stages.rl.advantages import entropy_scaling
 from stages.rl.logprobs import collate, policy_forward
-from stages.rl.metrics import append_metrics, reconcile_metrics
+from stages.rl.step_metrics import append_metrics, reconcile_metrics
 from stages.rl.trainer import epoch_order, plan_steps
 from stages.rl.update import StepTensors, _trim, branch_parents, ppo_update
 
@@ -189,7 +190,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_llama):
 
 def test_rollout_dump_and_markdown_sample(tmp_path):
     from stages.agent.rewards import Reward
-    from stages.rl.metrics import (
+    from stages.rl.step_metrics import (
         dump_rollouts,
         rollout_metrics,
         rollout_sample_markdown,
@@ -213,3 +214,31 @@ def test_rollout_dump_and_markdown_sample(tmp_path):
     assert row["reward/mean"] == 0.0 and row["reward/std"] == pytest.approx(1.414214, abs=1e-6)
     assert row["tools/calls_per_traj"] == 0.5 and row["rollout/branches_per_group"] == 1.0
     assert row["response/tool_tokens"] == 0.5 and row["finish/eos"] == 0.5 and row["accuracy"] == 0.5
+
+
+def test_entropy_scope_micro_batch_scales_with_the_current_policy_per_micro_batch(tiny_llama):
+    # the reference's entropy-aware advantage (AEPO core_algos.py 620-638): A * (1 + 0.2 sg(H_std)), H from the
+    # current forward pass, standardised over the valid tokens of each micro-batch. With lr 0 the current policy
+    # is the model itself, so scaling the advantages by hand per micro-batch (rows 0-1, 2-3) and training with
+    # entropy_scope=step on them must give the same gradient as entropy_scope=micro_batch with micro-batches of 2.
+    base = {"algorithm": "aepo", "optim": {"grad_clip": 1e9},
+            "rollout": {"n": 2, "initial_rollouts": 2, "max_response_length": 8},
+            "trainer": {"ppo_mini_batch_size": 2, "micro_batch_size": 2}}
+    micro = RLSection(**{**base, "advantage": {"entropy_scope": "micro_batch"}})
+    plain = RLSection(**{**base, "advantage": {"entropy_aware": False}})
+    data = _step_tensors()
+    with torch.no_grad():
+        _, entropy = policy_forward(tiny_llama, data.batch, with_entropy=True)
+    mask = data.batch.mask_BT
+    scaled = torch.cat([data.adv_BT[s:s + 2] * entropy_scaling(entropy[s:s + 2], mask[s:s + 2], 0.2)
+                        for s in (0, 2)])
+    by_hand = StepTensors(data.batch, data.rewards_B, data.group_B, data.old_logp_BT, scaled)
+    g_micro, g_hand = _grads_after(tiny_llama, micro, data), _grads_after(tiny_llama, plain, by_hand)
+    for name in g_micro:
+        assert torch.allclose(g_micro[name], g_hand[name], atol=1e-6, rtol=1e-4), name
+    # standardising over the whole batch instead (one micro-batch of 4) is a different gradient
+    whole = torch.allclose(g_micro["lm_head.weight"], _grads_after(tiny_llama, RLSection(**{
+        **base, "advantage": {"entropy_scope": "micro_batch"}, "trainer": {"ppo_mini_batch_size": 2,
+                                                                          "micro_batch_size": 4}}), data)
+        ["lm_head.weight"], atol=1e-6)
+    assert not whole

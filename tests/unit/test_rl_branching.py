@@ -7,11 +7,10 @@ import pytest
 from stages.core.config.rl import RolloutSection
 from stages.core.registry import UnknownNameError
 from stages.rl.branching import (
-    aepo_branch_probability,
     aepo_branch_score,
     aepo_should_branch,
-    arpo_branch_probability,
     arpo_should_branch,
+    consecutive_rounds,
     dynamic_initial_rollouts,
     fresh_to_add,
     penalty_factor,
@@ -23,18 +22,57 @@ from stages.rl.strategies import ROLLOUT_STRATEGIES, get_strategy
 GRID = [(i + 0.5) / 1000 for i in range(1000)]  # u on a uniform grid: fractions are exact to 1/1000
 
 
+def arpo_branch_probability(tau: float, w: float, dh: float) -> float:
+    """The closed form the decision rate is checked against: P(clip(u - w dH, 0, 1) <= tau) for u ~ U[0, 1) is
+    clip(tau + w dH, 0, 1) for tau < 1, and 1 at tau = 1 (the clipped score never exceeds 1)."""
+    return 1.0 if tau >= 1 else min(1.0, max(0.0, tau + w * dh))
+
+
+def aepo_branch_probability(tau: float, w: float, dh: float, c: int, penalty: float) -> float:
+    """P(score >= tau) for u ~ U[0, 1): with f = max(0, 1 - penalty c), (u + w dH) f >= tau <=> u >= tau/f - w dH,
+    so P = clip(1 - tau/f + w dH, 0, 1); f = 0 gives score 0, which branches only when tau <= 0."""
+    if tau <= 0:
+        return 1.0
+    f = penalty_factor(c, penalty)
+    return 0.0 if f == 0 else min(1.0, max(0.0, 1.0 - tau / f + w * dh))
+
+
 def test_arpo_probability_hand_values():
     assert arpo_branch_probability(0.5, 0.2, 0.5) == pytest.approx(0.6, abs=1e-12)   # 0.5 + 0.2*0.5
     assert arpo_branch_probability(0.5, 0.2, -1.0) == pytest.approx(0.3, abs=1e-12)  # 0.5 - 0.2
     assert arpo_branch_probability(0.5, 0.2, 3.0) == 1.0                             # 1.1 clipped
     assert arpo_branch_probability(0.5, 0.2, -3.0) == 0.0                            # -0.1 clipped
-    assert arpo_should_branch(0.59, 0.5, 0.2, 0.5)       # u < 0.6
-    assert not arpo_should_branch(0.6, 0.5, 0.2, 0.5)    # u = P does not branch (u in [0, 1))
+    # the reference's rule: branch iff clip(u - w dH, 0, 1) <= tau
+    assert arpo_should_branch(0.59, 0.5, 0.2, 0.5)       # clip(0.59 - 0.1) = 0.49 <= 0.5
+    assert not arpo_should_branch(0.61, 0.5, 0.2, 0.5)   # 0.51 > 0.5
+    assert arpo_should_branch(0.05, 0.0, 0.2, 0.5)       # clip(-0.05) = 0 <= tau = 0: branches even at tau 0
+
+
+def test_arpo_tau_one_always_branches_as_the_reference():
+    # clip(u - w dH, 0, 1) <= 1 for every u: tau = 1 branches whatever dH (ARPO 473-477). The earlier rule
+    # u < clip(1 + w dH) gave P = clip(1 - 0.2 * 3) = 0.4 at dH = -3.
+    assert arpo_branch_probability(1.0, 0.2, -3.0) == 1.0
+    assert all(arpo_should_branch(u, 1.0, 0.2, -3.0) for u in GRID)
+    assert all(arpo_should_branch(u, 1.0, 0.2, 2.0) for u in GRID)
 
 
 def test_arpo_decision_rate_matches_probability():
     # P = 0.5 + 0.2 * 0.7 = 0.64 -> 640 of the 1000 grid points branch
     assert sum(arpo_should_branch(u, 0.5, 0.2, 0.7) for u in GRID) == 640
+    # tau < 1: the reference's event is u <= tau + w dH, so P = clip(tau + w dH) as before
+    for tau, dh in [(0.3, 0.0), (0.5, -1.0), (0.9, 0.4), (0.2, -2.0)]:
+        rate = sum(arpo_should_branch(u, tau, 0.2, dh) for u in GRID) / 1000
+        assert rate == pytest.approx(arpo_branch_probability(tau, 0.2, dh), abs=1.5e-3)
+
+
+def test_consecutive_rounds_counter():
+    # c + 1 after a round that added trajectories (copies or fresh roots), 0 after one that added none
+    c = 0
+    trace = []
+    for added in [1, 2, 0, 1, 1, 1, 0, 0, 3]:
+        c = consecutive_rounds(c, added)
+        trace.append(c)
+    assert trace == [1, 2, 0, 1, 2, 3, 0, 0, 1]
 
 
 def test_aepo_penalty_hand_values():
@@ -48,7 +86,7 @@ def test_aepo_penalty_hand_values():
 
 
 def test_aepo_probability_closed_form():
-    # research/arpo.md 3.2: P = clip(1 - tau/f + w dH); c=0 -> 0.5, c=4 -> 1 - 0.5/0.8 = 0.375,
+    # docs/reference.md "Branch rules": P = clip(1 - tau/f + w dH); c=0 -> 0.5, c=4 -> 1 - 0.5/0.8 = 0.375,
     # c=10 -> 1 - 0.5/0.5 + 0.2*1.0 = 0.2, c=20 -> f = 0 -> never
     assert aepo_branch_probability(0.5, 0.2, 0.0, 0, 0.05) == pytest.approx(0.5)
     assert aepo_branch_probability(0.5, 0.2, 0.0, 4, 0.05) == pytest.approx(0.375)
@@ -66,26 +104,35 @@ def test_aepo_without_penalty_equals_arpo_at_tau_half():
 
 
 def test_plan_branches_scans_in_order_within_budget():
-    always = lambda dh, c: True
+    always = lambda dh, planned: True
     cands = [(0, 0.0), (1, 0.0), (2, 0.0)]
-    assert plan_branches(cands, remaining=3, beam_size=3, made=0, decide=always) == [0, 0, 1]
-    assert plan_branches(cands, remaining=10, beam_size=3, made=0, decide=always) == [0, 0, 1, 1, 2, 2]
-    assert plan_branches(cands, remaining=10, beam_size=1, made=0, decide=always) == []   # beam 1: no copies
-    assert plan_branches(cands, remaining=0, beam_size=2, made=0, decide=always) == []
-    by_dh = lambda dh, c: dh > 0
-    assert plan_branches([(0, -1.0), (1, 1.0)], remaining=5, beam_size=3, made=0, decide=by_dh) == [1, 1]
+    assert plan_branches(cands, remaining=3, beam_size=3, decide=always) == [0, 0, 1]
+    assert plan_branches(cands, remaining=10, beam_size=3, decide=always) == [0, 0, 1, 1, 2, 2]
+    assert plan_branches(cands, remaining=10, beam_size=1, decide=always) == []   # beam 1: no copies
+    assert plan_branches(cands, remaining=0, beam_size=2, decide=always) == []
+    by_dh = lambda dh, planned: dh > 0
+    assert plan_branches([(0, -1.0), (1, 1.0)], remaining=5, beam_size=3, decide=by_dh) == [1, 1]
 
 
-def test_plan_branches_passes_running_branch_count():
+def test_plan_branches_draws_a_fixed_count_per_candidate():
+    # the reference (ARPO 464-467, AEPO 934-939): min(beam - 1, budget left) draws, fixed before drawing.
+    # beam 3, budget 3: candidate 0 draws twice (fails, succeeds: 1 planned), candidate 1 draws min(2, 3 - 1) = 2
+    # times (both succeed: budget full), candidate 2 draws min(2, 0) = 0 times.
+    outcomes = iter([False, True, True, True])
     seen = []
 
-    def decide(dh, c):
-        seen.append((dh, c))
-        return dh != 0.2  # the second candidate's draw fails
+    def decide(dh, planned):
+        seen.append((dh, planned))
+        return next(outcomes)
 
-    got = plan_branches([(0, 0.1), (1, 0.2), (2, 0.3)], remaining=5, beam_size=2, made=3, decide=decide)
-    assert got == [0, 2]
-    assert seen == [(0.1, 3), (0.2, 4), (0.3, 4)]  # c = made + copies planned so far
+    got = plan_branches([(0, 0.1), (1, 0.2), (2, 0.3)], remaining=3, beam_size=3, decide=decide)
+    assert got == [0, 1, 1]
+    assert seen == [(0.1, 0), (0.1, 0), (0.2, 1), (0.2, 2)]
+    # budget 1 left, beam 3: exactly one draw; a failed draw is not retried (the earlier rule drew again)
+    seen.clear()
+    outcomes = iter([False, True])
+    assert plan_branches([(0, 0.1)], remaining=1, beam_size=3, decide=decide) == []
+    assert seen == [(0.1, 0)]
 
 
 def test_fresh_to_add():

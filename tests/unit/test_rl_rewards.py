@@ -1,4 +1,4 @@
-"""Reward functions (research/arpo.md 6.1): -1 bad format, 0 if F1 = 0, F1, +0.1 with both tools."""
+"""Reward functions (docs/reference.md "Reward"): -1 bad format, 0 if F1 = 0, F1, +0.1 with both tools."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import pytest
 
 from stages.core.config.rl import RolloutSection
 from stages.data import RLRow
-from stages.generation.prompts import PromptItem, PromptTooLongError, build_prompt_items
-from stages.rl.rollout import RolloutEngine
+from stages.generation.prompt_items import PromptItem, PromptTooLongError, build_prompt_items
+from stages.rl.rollout import TreeRollout
 from tests.unit.test_rl_rollout_fakes import (
     EOS,
     ScriptedBackend,
@@ -39,7 +39,7 @@ def search_then_answer(e_search: float = 0.0, e_answer: float = 0.0):
 def run(policy, section: RolloutSection, n_prompts: int = 1, seed: int = 0):
     tok = ToyTokenizer()
     backend, box = ScriptedBackend(tok, policy), ToyToolBox()
-    engine = RolloutEngine(backend, box, tok, section, seed=seed, show_progress=False)
+    engine = TreeRollout(backend, box, tok, section, seed=seed, show_progress=False)
     prompts = [PromptItem(g, tok.encode(f"user: question {g}\nassistant:"), f"question {g}", "A", "qa")
                for g in range(n_prompts)]
     return engine, engine.rollout(prompts), backend, box, tok
@@ -239,7 +239,7 @@ def test_reference_window_copies_take_their_own_baseline():
 
 def test_prompt_validation_messages():
     tok = ToyTokenizer()
-    engine = RolloutEngine(ScriptedBackend(tok, search_then_answer()), ToyToolBox(), tok,
+    engine = TreeRollout(ScriptedBackend(tok, search_then_answer()), ToyToolBox(), tok,
                            cfg(max_prompt_length=5), show_progress=False)
     with pytest.raises(ValueError, match="max_prompt_length=5"):
         engine.rollout([PromptItem(0, list(range(2, 12)), "q", "A", "qa")])
@@ -252,7 +252,7 @@ def test_tool_call_opened_by_the_prompt_is_parsed():
     tok = ToyTokenizer()
     policy = lambda ctx, key: ("q</search>", 0.0) if "</result>" not in ctx else (ANSWER, 0.0)
     backend, box = ScriptedBackend(tok, policy), ToyToolBox()
-    engine = RolloutEngine(backend, box, tok, cfg(), show_progress=False)
+    engine = TreeRollout(backend, box, tok, cfg(), show_progress=False)
     prompt = [tok.bos_token_id] + tok.encode("user: q\nassistant:<search>", add_special_tokens=False)
     batch = engine.rollout([PromptItem(0, prompt, "q", "A", "qa")])
     (t,) = batch.trajectories
@@ -276,3 +276,23 @@ def test_build_prompt_items_applies_the_chat_template_and_length_policy():
     assert [p.question for p in kept] == ["ab"]
     cut = build_prompt_items(rows, tok, max_prompt_length=32, overflow="truncate_left")
     assert [p.group for p in cut] == [0, 1] and cut[1].prompt_ids == tok.apply_chat_template(rows[1].messages)[-32:]
+
+
+@pytest.mark.parametrize("counter,kinds", [
+    # consecutive_rounds (the reference): c counts rounds in a row that added copies or fresh roots.
+    #   r1 root0 calls, c=0 -> copy 1 (c=1); r2 no copy (f=0), nothing added (c=0); r3 both copy (2, 3; c=1);
+    #   r4 all four hit the call limit, a fresh root 4 (c=2); r5 blocked (c=0); r6 copy 5 (c=1); r7 nothing (c=0);
+    #   r8 fresh 6 (c=1); r9 blocked (c=0); r10 copy 7 fills the budget of 8
+    ("consecutive_rounds", ["root", "branch", "branch", "branch", "fresh", "branch", "fresh", "branch"]),
+    # branches (the earlier reading): c = copies made this rollout, so after copy 1 the factor stays 0
+    ("branches", ["root", "branch", "fresh", "fresh", "fresh", "fresh", "fresh", "fresh"]),
+])
+def test_aepo_penalty_counter_in_the_engine(counter, kinds):
+    # penalty 1: factor max(0, 1 - c) is 1 at c = 0 and 0 from c = 1 on; tau = 1e-9, w = 0: a draw branches iff
+    # the factor is 1 (score u * f >= 1e-9). Every trajectory searches until the call limit (3), then ends.
+    section = cfg(strategy="aepo", n=8, initial_rollouts=1, beam_size=2, branch_probability=1e-9,
+                  entropy_weight=0.0, branch_penalty=1.0, penalty_counter=counter, call_limit=3)
+    _, batch, _, _, _ = run(lambda ctx, key: (SEARCH, 0.0), section)
+    (g,) = batch.groups
+    assert [t.kind for t in g.trajectories] == kinds
+    assert all(t.finish_reason == "tool_limit" for t in g.trajectories)

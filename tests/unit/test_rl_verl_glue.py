@@ -30,12 +30,12 @@ PATHS = VerlPaths(model="/m", train_file="/d/t.parquet", val_file="/d/v.parquet"
                   settings="/o/s.json", agent_loops="/o/a.yaml", rollout_dump="/o/r")
 
 
-def test_engine_registry_matches_the_config_choices():
-    from typing import get_args
-
+def test_engine_field_names_the_engine_registry():
+    from stages.core.registry import find_registry
     from stages.rl.engines import RL_ENGINES
 
-    assert RL_ENGINES.names() == sorted(get_args(RLSection.model_fields["engine"].annotation)) == ["local", "verl"]
+    kind = RLSection.model_fields["engine"].json_schema_extra["registry"]
+    assert find_registry(kind) is RL_ENGINES and RL_ENGINES.names() == ["local", "verl"]
 
 
 @pytest.mark.parametrize("names,billions", [(("Qwen2.5-7B-Instruct",), 7.0), (("Qwen3-14B",), 14.0),
@@ -73,7 +73,7 @@ def test_mapping_values_for_the_aepo_profile():
     assert o[f"{r}.n"] == "12" and o["data.train_batch_size"] == "64" and o[f"{a}.ppo_mini_batch_size"] == "8"
     assert o["data.max_prompt_length"] == "2000" and o[f"{r}.max_model_len"] == str(2000 + 6192)
     assert o[f"{a}.policy_loss.loss_mode"] == "arpo_aepo_balanced_clip"
-    assert o["trainer.v1.trainer_mode"] == "arpo_sync"                      # entropy-aware advantages
+    assert o["trainer.v1.trainer_mode"] == "arpo_sync"                      # every algorithm: verl's sync + our advantage
     assert o[f"{a}.use_dynamic_bsz"] == "true" and o[f"{a}.ppo_max_token_len_per_gpu"] == str(2 * (2000 + 6192))
     assert o[f"{r}.gpu_memory_utilization"] == "0.6" and o[f"{r}.tensor_model_parallel_size"] == "1"
     assert o[f"{a}.fsdp_config.dtype"] == "bfloat16" and o[f"{a}.fsdp_config.model_dtype"] == "fp32"
@@ -91,7 +91,7 @@ def test_mapping_options_and_refusals():
     assert o[f"{a}.use_kl_loss"] == "true" and o[f"{a}.kl_loss_type"] == "kl" and o[f"{a}.kl_loss_coef"] == "0.01"
     assert o[f"{a}.loss_agg_mode"] == "seq-mean-token-sum-norm"
     assert o[f"{a}.loss_scale_factor"] == str(rl.rollout.max_response_length)
-    assert o["data.filter_overlong_prompts"] == "true" and o["trainer.v1.trainer_mode"] == "sync"
+    assert o["data.filter_overlong_prompts"] == "true" and o["trainer.v1.trainer_mode"] == "arpo_sync"
     assert o["actor_rollout_ref.model.path"] == "'/my models/a=b'"            # quoted for hydra
     with pytest.raises(ValueError, match="no verl registration"):
         verl_overrides(rl.model_copy(update={"loss": rl.loss.model_copy(update={"policy_loss": "x"})}), "float32", 0,
@@ -209,11 +209,13 @@ def test_metrics_of_a_resumed_run_keep_one_row_per_step(tmp_path):
 
     attempts = tmp_path / "verl_metrics"
     attempts.mkdir()
-    (attempts / "attempt_1.jsonl").write_text("".join(json.dumps({"step": s, "data": {"r": s}}) + "\n"
+    (attempts / "attempt_1.jsonl").write_text("".join(json.dumps({"step": s, "data": {"arpo/reward/mean": s}}) + "\n"
                                                       for s in (1, 2, 3)))
-    (attempts / "attempt_2.jsonl").write_text(json.dumps({"step": 3, "data": {"r": 30}}) + "\n")  # step 3 redone
-    rows = [json.loads(line) for line in collect_metrics(tmp_path).read_text().splitlines()]
-    assert rows == [{"step": 1, "r": 1}, {"step": 2, "r": 2}, {"step": 3, "r": 30}]
+    (attempts / "attempt_2.jsonl").write_text(json.dumps({"step": 3, "data": {"arpo/reward/mean": 30}}) + "\n")
+    history = collect_metrics(tmp_path)                                             # step 3 redone after a crash
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == history == [{"step": 1, "reward/mean": 1.0}, {"step": 2, "reward/mean": 2.0},
+                               {"step": 3, "reward/mean": 30.0}]
 
 
 def test_verl_engine_without_verl_names_the_setup(tmp_path):
@@ -261,7 +263,7 @@ def test_topk_server_asks_marked_requests_for_k_logprobs_and_returns_their_entro
 def test_run_rl_dispatches_to_the_configured_engine_and_caches_its_checkpoint(tmp_path, monkeypatch):
     from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
     from stages.rl import engines
-    from stages.rl.trainer import run_rl
+    from stages.rl.stage import run_rl
 
     calls = []
 
@@ -275,7 +277,8 @@ def test_run_rl_dispatches_to_the_configured_engine_and_caches_its_checkpoint(tm
 
     monkeypatch.setitem(engines.RL_ENGINES._entries, "verl", fake_verl)
     cfg = load_config("tiny-cpu", ["rl.engine=verl"])
-    policy, data = ModelRef(path=str(tmp_path), fingerprint="p", name="m"), DatasetRef(path="d", fingerprint="d")
+    policy = ModelRef(path=str(tmp_path), fingerprint="p", name="m")
+    data = DatasetRef(path="d", fingerprint="d", meta={"rl_train_rows": 8})  # 4 steps of tiny-cpu's 2 prompts
     first = run_rl(cfg.rl, cfg.agent, policy, data, tmp_path / "out", tmp_path, seed=1, dtype="bfloat16")
     again = run_rl(cfg.rl, cfg.agent, policy, data, tmp_path / "out", tmp_path, seed=1, dtype="bfloat16")
     assert len(calls) == 1 and calls[0][1:] == (1, "bfloat16")                 # the second call is a cache hit

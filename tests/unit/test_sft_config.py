@@ -15,7 +15,7 @@ PATHS = dict(model_path="/models/qwen", template="qwen", dataset_dir="/run/datas
 
 def test_paper_profile_matches_the_reference_qwen_yaml() -> None:
     cfg = load_config("arpo-qwen2.5-7b-reasoning").sft
-    # research/arpo.md 1: full FT, ZeRO-3, template qwen, cutoff 15000, lr 7e-6, 3 epochs, cosine, warmup 0.1,
+    # docs/reference.md "SFT recipe": full FT, ZeRO-3, template qwen, cutoff 15000, lr 7e-6, 3 epochs, cosine, warmup 0.1,
     # bf16, per-device batch 1 x grad-acc 2 (x 8 GPUs = global 16)
     assert sft_train_args(cfg, **PATHS) == {
         "model_name_or_path": "/models/qwen", "trust_remote_code": True, "stage": "sft", "do_train": True,

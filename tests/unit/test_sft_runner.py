@@ -11,8 +11,6 @@ import pytest
 from stages.sft.masking import IGNORE_INDEX, label_runs, overlapping_tokens, result_spans
 from stages.sft.runner import (
     LlamaFactoryError,
-    is_progress_line,
-    loss_curve,
     parse_log_dict,
     resume_point,
     run_streaming,
@@ -50,9 +48,6 @@ def test_parse_trainer_log_lines() -> None:
                                                                               "epoch": 0.5}
     assert parse_log_dict("[INFO] {not a dict}") is None
     assert parse_log_dict("{'a': __import__('os')}") is None  # literal_eval only: never executes anything
-    assert is_progress_line(" 42%|████▏     | 10/24 [00:21<00:29,  2.10s/it]")
-    assert is_progress_line("Running tokenizer on dataset: 100%|██████████| 48/48 [00:00<00:00, 512.3 examples/s]")
-    assert not is_progress_line("[INFO|2026] llamafactory.data.loader: Loading dataset arpo_sft.jsonl...")
 
 
 def test_failure_raises_with_the_last_log_lines(tmp_path: Path) -> None:
@@ -99,5 +94,4 @@ def test_training_metrics_from_llamafactory_logs(tmp_path: Path) -> None:
     (tmp_path / "all_results.json").write_text(json.dumps({"train_loss": 2.5, "train_runtime": 9.0, "note": "x"}))
     assert training_metrics(tmp_path) == {"train_loss": 2.5, "train_runtime": 9.0, "loss_first": 3.0,
                                           "loss_last": 2.5, "loss_min": 2.0, "steps": 3, "total_steps": 3}
-    assert loss_curve(tmp_path) == [(1, 3.0), (2, 2.0), (3, 2.5)]
     assert training_metrics(tmp_path / "missing") == {}

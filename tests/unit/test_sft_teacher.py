@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from stages.agent.prompts import system_prompt
+from stages.agent.prompt_templates import system_prompt
 from stages.agent.protocol import ToolCall, check_format, count_tool_calls, extract_answer
 from stages.core.config.data import SyntheticSection
 from stages.data.synthetic import generate
 from stages.sft.teacher import (
     UnsupportedTrajectory,
     build_trajectories,
+    chain_trajectory,
     corpus_docs,
     math_trajectory,
     qa_trajectory,
@@ -28,7 +29,7 @@ from stages.sft.teacher import (
     train_tasks,
 )
 
-GEN = generate(SyntheticSection(seed=5, n_math=10, n_qa=10, n_entities=12))
+GEN = generate(SyntheticSection(seed=5, n_math=10, n_qa=10, n_entities=12, n_chain=8))
 DOCS = {d["id"]: split_doc(d["contents"]) for d in GEN.corpus}
 
 
@@ -69,6 +70,21 @@ def test_qa_trajectory_searches_every_hop() -> None:
         assert DOCS[hop["doc_id"]][0] in text
     assert check_format(text).ok and extract_answer(text) == task["answer"]
     assert count_tool_calls(text) == {"search": len(task["hops"]), "python": 0}
+
+
+def test_chain_trajectory_computes_on_what_the_search_returned() -> None:
+    import random
+
+    task = _task("chain")
+    (hop,) = task["hops"]
+    text = chain_trajectory(task, run_tool, random.Random(0), DOCS)
+    search, python = text.index(f"<search> {hop['query']} </search> <result>\n"), text.index("<python>")
+    assert search < text.index(hop["fact"]) < python       # the year is read from the result, then computed on
+    assert f"<python>\n{task['solution_code']}\n</python> <result>\n{task['answer']}\n</result>" in text
+    assert check_format(text).ok and extract_answer(text) == task["answer"]
+    assert count_tool_calls(text) == {"search": 1, "python": 1}
+    with pytest.raises(UnsupportedTrajectory, match="did not return document"):
+        chain_trajectory(task, lambda call: "Page 1: nothing relevant", random.Random(0), DOCS)
 
 
 def test_unsupported_tool_output_is_refused_not_patched() -> None:

@@ -37,6 +37,8 @@ def _profile(name: str):
 
 @pytest.mark.parametrize("profile", profile_names())
 def test_every_profile_maps_onto_verls_schema(profile, tmp_path):
+    from verl.utils.config import omega_conf_to_dataclass
+
     cfg = _profile(profile)
     rl = cfg.rl
     composed = compose_verl(verl_overrides(rl, cfg.model.dtype, cfg.run.seed, paths(tmp_path)))
@@ -55,8 +57,16 @@ def test_every_profile_maps_onto_verls_schema(profile, tmp_path):
     assert rollout.agent.agent_loop_manager_class == "stages.rl.verl.agent_loop.ArpoAgentLoopManagerTQ"
     assert composed.algorithm.adv_estimator == "arpo_grpo" and not composed.algorithm.use_kl_in_reward
     assert actor.policy_loss.loss_mode == f"arpo_{rl.loss.policy_loss}"
-    aepo = rl.advantage.entropy_aware or rl.advantage.attribution == "hard"
-    assert trainer.v1.trainer_mode == ("arpo_sync" if aepo else "sync")
+    assert trainer.v1.trainer_mode == "arpo_sync"                   # verl's sync (test_arpo_sync_is_verls_sync)
+    assert actor.strategy == composed.actor_rollout_ref.ref.strategy == "fsdp2"  # the merge's layout
+    # model.dtype is the compute dtype: FSDP's mixed precision (verl reads no other key for it)
+    assert actor.fsdp_config.mixed_precision.param_dtype == cfg.model.dtype
+    assert omega_conf_to_dataclass(actor.fsdp_config).mixed_precision["param_dtype"] == cfg.model.dtype
+    model = composed.actor_rollout_ref.model
+    assert model.override_config.attn_implementation == rl.verl.attn_implementation
+    assert model.use_remove_padding == (rl.verl.attn_implementation == "flash_attention_2")
+    assert composed.transfer_queue.backend.SimpleStorage.num_data_storage_units == rl.verl.storage_units
+    assert composed.reward.num_workers == rl.verl.reward_workers
     env = composed.ray_kwargs.ray_init.runtime_env.env_vars
     assert env.VERL_USE_EXTERNAL_MODULES == "stages.rl.verl.plugin" and env.ARPO_VERL_SETTINGS
 
@@ -101,3 +111,65 @@ def test_prompt_template_token_ids_agree_across_environments():
         pytest.skip("the project venv is not built here")
     report = check_parity(str(ORIGINAL), [[{"role": "user", "content": "What is 6*7?"}]], str(main_python))
     assert report["checked"] and report["prompts"] == 1
+
+
+def test_the_actor_builds_with_the_mapped_attention_where_flash_attn_is_missing(tmp_path):
+    """verl asks for flash_attention_2 unless told otherwise (verl/workers/config/model.py:185) and verl[vllm] does
+    not install flash-attn (this environment has none either): the actor is built as verl's FSDP engine builds it
+    (workers/engine/fsdp/transformer_impl.py:276) from the config our mapping composes."""
+    import importlib.util
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.model import get_hf_auto_model_class
+
+    from stages.rl.verl.resources import VerlResourceError, check_attention
+
+    assert importlib.util.find_spec("flash_attn") is None
+    cfg = load_config("tiny-cpu", ["rl.engine=verl"])
+    mapped = paths(tmp_path).__dict__ | {"model": str(ORIGINAL)}
+    composed = compose_verl(verl_overrides(cfg.rl, "float32", 0, type(paths(tmp_path))(**mapped)))
+    model_config = omega_conf_to_dataclass(composed.actor_rollout_ref.model)
+    assert model_config.hf_config._attn_implementation == "sdpa"
+    module = get_hf_auto_model_class(hf_config=model_config.hf_config).from_pretrained(
+        model_config.local_path, config=model_config.hf_config)
+    assert module.config._attn_implementation == "sdpa"
+    with pytest.raises(VerlResourceError, match="flash-attn is not installed"):   # the pre-flight's refusal
+        check_attention("flash_attention_2", importlib.util.find_spec("flash_attn") is not None)
+
+
+def test_arpo_sync_is_verls_sync_everywhere_verl_compares_the_mode(tiny_verl_config):
+    """verl compares the mode with the literal "sync" (v1/trainer_base.py: replay buffer class :153, exact refill
+    and gen_batch_size :731, TransferQueue restore :902, re-issue on resume :912, TransferQueue checkpoint :1004,
+    prompt dispatch :1499). Our mode must take every sync branch."""
+    import inspect
+    import re
+
+    from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    import stages.rl.verl.plugin  # noqa: F401
+
+    compared = re.findall(r'self\.trainer_mode\s*[!=]=\s*"(\w+)"', inspect.getsource(trainer_base))
+    assert compared == ["sync"] * 6          # verl 0.9.1; a new comparison must be looked at
+    assert tiny_verl_config.trainer.v1.trainer_mode == "arpo_sync"
+    trainer = get_trainer_cls("arpo_sync")(tiny_verl_config)
+    assert trainer.trainer_mode == "sync"
+    assert type(trainer.replay_buffer) is ReplayBuffer and not isinstance(trainer.replay_buffer, ReplayBufferAsync)
+    assert trainer.replay_buffer.trainer_mode == "sync"
+    assert trainer.replay_buffer.gen_batch_size == tiny_verl_config.data.train_batch_size  # not 1 (async refill)
+    assert trainer._reissue_inflight_prompts() == 0                 # returns before touching TransferQueue
+    with pytest.raises(ValueError, match="arpo_sync"):
+        trainer.trainer_mode = "colocate_async"
+
+
+def test_cpu_reservations_of_the_preflight_are_verls_and_transferqueues():
+    """The numbers stages.rl.verl.resources checks against (a cluster without them makes Ray wait forever)."""
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    from stages.rl.verl import resources
+
+    assert TransferQueueController._default_options["num_cpus"] == resources.TQ_CONTROLLER_CPUS
+    assert SimpleStorageUnit._default_options["num_cpus"] == resources.TQ_STORAGE_UNIT_CPUS
+    assert ResourcePoolManager.max_colocate_count == resources.TRAINER_CPUS_PER_GPU

@@ -123,3 +123,27 @@ def test_estimator_through_verls_compute_advantage_equals_ours(settings_file):
     expected = compute_advantages(AdvantageSection(), scores, torch.tensor([0, 0, 0, 0, 1, 2]), mask)
     assert torch.allclose(out.batch["advantages"], expected, atol=1e-6)
     assert torch.all(out.batch["advantages"][5] == 0)
+
+
+def test_an_outage_hit_row_leaves_its_group_inside_verl(settings_file):
+    """A trajectory touched by a tool infrastructure failure reaches verl with an all-zero response mask
+    (stages.rl.verl.tree.tree_outputs): verl's own compute_advantage through our estimator gives it 0 and the rest
+    of its group the GRPO advantage over the kept rewards alone."""
+    import numpy as np
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    import stages.rl.verl.plugin  # noqa: F401
+
+    settings_file()
+    # group a: rewards [1, 0, 1]; row 2 hit the outage. Kept [1, 0]: mean .5, std .7071 -> +-.5/(.7071 + 1e-6)
+    scores = torch.tensor([1.0, 0.0, 1.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]]).float()
+    rewards = torch.zeros_like(mask)
+    rewards[:, 0] = scores
+    data = DataProto(batch=TensorDict({"token_level_rewards": rewards, "response_mask": mask}, batch_size=3),
+                     non_tensor_batch={"uid": np.array(["a", "a", "a"], dtype=object)})
+    out = compute_advantage(data, adv_estimator="arpo_grpo", config=None)
+    a = 0.5 / (2 ** -0.5 + 1e-6)
+    assert torch.allclose(out.batch["advantages"], torch.tensor([[a, a, 0], [-a, 0, 0], [0, 0, 0]]), atol=1e-5)

@@ -43,7 +43,7 @@ class ScriptedServer:
         ids = [0 if ch == "\x00" else self.tokenizer.index[ch] for ch in text][:sampling_params["max_tokens"]]
         await asyncio.sleep(0)
         return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed",
-                           extra_fields={"num_cached_tokens": len(prompt_ids) // 2})
+                           extra_fields={"num_cached_tokens": len(prompt_ids) // 2, "global_steps": 2})
 
 
 def sample(uid="u1", index=7, step=3):
@@ -89,8 +89,13 @@ def make_worker(config, monkeypatch):
     store["rows"] = []
     monkeypatch.setattr(agent_loop_tq, "list_of_dict_to_tensordict",
                         lambda dicts: (store["rows"].extend(dicts), convert(dicts))[1])
+    async def kv_clear(keys, partition_id):
+        store["cleared"].extend(keys)
+
+    store["cleared"] = []
     monkeypatch.setattr(tq, "async_kv_put", kv_put)
     monkeypatch.setattr(tq, "async_kv_batch_put", kv_batch_put)
+    monkeypatch.setattr(tq, "async_kv_clear", kv_clear)
     return worker, server, store
 
 
@@ -119,6 +124,7 @@ def test_tree_loop_yields_n_trajectories_as_n_sessions_with_n_rewards(tiny_verl_
     tok = ToyTokenizer()
     extras = list(data["extra_fields"])
     assert [e["arpo_kind"] for e in extras].count("branch") >= 1      # branch_probability 1: the tree branched
+    assert {(e["min_global_steps"], e["max_global_steps"]) for e in extras} == {(2, 2)}  # weights that served it
     rewards = []
     for row in range(4):
         ids = data["responses"][row].tolist()
@@ -203,11 +209,35 @@ def test_verl_advantage_paths_on_our_output_equal_our_advantages(tiny_verl_confi
     rows = [dict(store["rows"][p], entropy=entropy[p][:len(store["rows"][p]["response_mask"])]) for p in perm.tolist()]
     extras = [r["extra_fields"] for r in store["rows"]]
     data = list_of_dict_to_tensordict(rows)
-    got = advantages_from_store(data)["advantages"].to_padded_tensor(0.0)
+    out, trees, _ = advantages_from_store(data, [False] * 8, n=4)
+    got = out["advantages"].to_padded_tensor(0.0)
+    assert trees == 2
     parents = [(4 * (i // 4) + e["arpo_parent"]) if e["arpo_parent"] >= 0 else None for i, e in enumerate(extras)]
     owner = owner_matrix(parents, [e["arpo_fork_at"] for e in extras], mask.shape[1])
     want = compute_advantages(cfg, rewards, group, mask, owner, entropy)[perm]
     assert torch.allclose(got, want[:, :got.shape[1]], atol=1e-6)
+
+
+def test_a_tree_that_fails_midway_leaves_no_trajectory_behind(tiny_verl_config, settings_file, monkeypatch):
+    """verl's sync sampler keeps a failed prompt's stored trajectories sampleable (replay_buffer.py: "failed groups
+    remain sampleable"); a tree whose third session fails must not reach the advantage as 2 of 4."""
+    settings_file()
+    worker, _, store = make_worker(tiny_verl_config, monkeypatch)
+    postprocess = type(worker).__mro__[1]._agent_loop_postprocess
+    calls = []
+
+    async def failing(self, output, validate, **kwargs):
+        calls.append(kwargs["session_id"])
+        if kwargs["session_id"] == 2:
+            raise RuntimeError("reward worker died")
+        return await postprocess(self, output, validate, **kwargs)
+
+    monkeypatch.setattr(type(worker), "_agent_loop_postprocess", failing)
+    run_prompt(worker, sample())
+    keys, _ = stored(store)
+    assert calls == [0, 1, 2] and keys == ["u1_0_0", "u1_1_0"]         # two sessions were stored ...
+    assert store["cleared"] == ["u1_0_0", "u1_1_0"]                      # ... and removed again
+    assert store["status"] == [("u1", "running"), ("u1", "failure")]
 
 
 def test_trees_are_seeded_from_step_and_index_not_from_uid(tiny_verl_config, settings_file, monkeypatch):

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from stages.agent.search.base import Passage, SearchBackend
-from stages.core.atomic import atomic_path, write_json
-from stages.core.errors import MissingInputError
+from stages.core.atomic import atomic_path, iter_json_objects, write_json
+from stages.core.errors import BadInputError, MissingInputError
 from stages.core.fingerprint import hash_file
 from stages.core.log import get_logger
 
@@ -46,24 +46,17 @@ def read_corpus(path: str | Path) -> list[dict[str, str]]:
         raise MissingInputError(f"search corpus {path} does not exist; set agent.search.corpus_path to a FlashRAG "
                                 "JSONL file ({\"id\", \"contents\"} per line) or run the data stage")
     docs = []
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
-            if "contents" in row:
-                contents = row["contents"]
-            elif "text" in row:
-                contents = f"{row.get('title', '')}\n{row['text']}".strip()
-            else:
-                raise ValueError(f"{path}:{lineno}: a corpus row needs 'contents' (FlashRAG) or 'title'+'text'; "
-                                 f"it has {sorted(row)}")
-            docs.append({"id": str(row.get("id", lineno - 1)), "contents": str(contents)})
+    for lineno, row in iter_json_objects(path):
+        if "contents" in row:
+            contents = row["contents"]
+        elif "text" in row:
+            contents = f"{row.get('title', '')}\n{row['text']}".strip()
+        else:
+            raise BadInputError(f"{path}:{lineno}: a corpus row needs 'contents' (FlashRAG) or 'title'+'text'; "
+                            f"it has {sorted(row)}")
+        docs.append({"id": str(row.get("id", lineno - 1)), "contents": str(contents)})
     if not docs:
-        raise ValueError(f"search corpus {path} has no documents")
+        raise BadInputError(f"search corpus {path} has no documents")
     return docs
 
 

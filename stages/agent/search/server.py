@@ -1,5 +1,8 @@
 """`server` search: a client of a FlashRAG/Tool-Star retrieval server (`POST /search`, `POST /batch_search`,
-`GET /health`), such as `arpo retriever serve` (stages/agent/retriever_server.py) or Tool-Star's host_wiki.py."""
+`GET /health`), such as `arpo retriever serve` (stages/agent/retriever_server.py) or Tool-Star's host_wiki.py.
+
+Network errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff (3 attempts); what remains after
+them, and any other HTTP error, is a SearchError (an infrastructure failure of the search tool)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,14 @@ from tenacity import (
 
 from stages.agent.search.base import Passage, SearchBackend, SearchError
 
-_RETRY = {"retry": retry_if_exception_type(httpx.TransportError), "stop": stop_after_attempt(3),
+ATTEMPTS = 3
+
+
+class _Retryable(Exception):
+    """An HTTP answer worth retrying (429, 5xx)."""
+
+
+_RETRY = {"retry": retry_if_exception_type((httpx.TransportError, _Retryable)), "stop": stop_after_attempt(ATTEMPTS),
           "wait": wait_exponential(multiplier=0.2, max=2.0), "reraise": True}
 
 
@@ -47,6 +57,8 @@ class ServerBackend(SearchBackend):
     @retry(**_RETRY)
     def _request(self, method: str, path: str, payload: dict | None = None) -> Any:
         response = self._client.request(method, path, json=payload)
+        if response.status_code == 429 or response.status_code >= 500:
+            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
         if response.status_code >= 400:
             raise SearchError(f"retrieval server {self.url}{path} answered HTTP {response.status_code}: "
                               f"{response.text[:300]}")
@@ -58,6 +70,8 @@ class ServerBackend(SearchBackend):
         except httpx.TransportError as err:
             raise SearchError(f"retrieval server {self.url} is not reachable ({err!r}); start one with "
                               "`arpo retriever serve --corpus <corpus.jsonl>` or fix agent.search.server_url") from err
+        except _Retryable as err:
+            raise SearchError(f"retrieval server {self.url}{path} failed after {ATTEMPTS} attempts: {err}") from err
 
     def health(self) -> dict[str, Any]:
         body = self._call("GET", "/health")

@@ -4,18 +4,20 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.core.config.section import Section
+from stages.core.config.section import Section, registry, used_when
+from stages.core.inputs import input_file
 
 
 class PythonToolSection(Section):
-    """Limits of the python sandbox that runs model-written code (stages/agent/sandbox.py)."""
+    """Limits of the python sandbox that runs model-written code (stages/agent/sandbox/executor.py)."""
 
     sandbox: Literal["auto", "bwrap", "rlimit"] = Field(
         "auto", description="auto/bwrap = bubblewrap; when it cannot run, the sandbox stops with the reason and "
         "the fix (never a silent fallback). rlimit = the weaker mode without namespaces, only by this explicit "
         "choice (docs/agent.md lists what it does not contain)")
     python_executable: str | None = Field(
-        None, description="interpreter that runs the code (needs numpy and sympy); None = the pipeline's own")
+        None, description="interpreter that runs the code (needs numpy and sympy); None = the pipeline's own",
+        json_schema_extra=input_file("executable"))
     preload: list[str] = Field(
         default_factory=lambda: ["numpy", "sympy"],
         description="modules imported before the code arrives (warm interpreters); imports of them are free")
@@ -56,14 +58,29 @@ class WebSearchSection(Section):
 
 
 class SearchSection(Section):
-    backend: Literal["local", "server", "web", "replay"] = "local"
+    backend: str = Field("local", description="search backend: local (BM25 over a corpus) | server (a retrieval "
+                         "server) | web (a SERP API) | replay (recorded results)",
+                         json_schema_extra=registry("search backend"))
     top_k: int = Field(5, ge=1)
     max_chars_per_passage: int = Field(1000, ge=1)
-    corpus_path: str | None = Field(None, description="FlashRAG JSONL; None = the generated corpus")
-    server_url: str | None = Field(None, description="retrieval server base URL (backend=server)")
-    server_timeout_s: float = Field(30.0, gt=0, description="HTTP timeout of the retrieval server client")
-    replay_path: str | None = Field(None, description="{query: result} JSON (backend=replay)")
+    corpus_path: str | None = Field(None, description="FlashRAG JSONL (backend=local); None = the generated corpus",
+                                    json_schema_extra={**used_when(backend="local"), **input_file("jsonl")})
+    server_url: str | None = Field(None, description="retrieval server base URL (backend=server)",
+                                   json_schema_extra=used_when(backend="server"))
+    server_timeout_s: float = Field(30.0, gt=0, description="HTTP timeout of the retrieval server client",
+                                    json_schema_extra=used_when(backend="server"))
+    replay_path: str | None = Field(None, description="{query: result} JSON (backend=replay)",
+                                    json_schema_extra={**used_when(backend="replay"), **input_file("json_object")})
     web: WebSearchSection = WebSearchSection()
+
+    @model_validator(mode="after")
+    def _backend_needs(self) -> SearchSection:
+        if self.backend == "server" and not self.server_url:
+            raise ValueError("agent.search.backend=server needs agent.search.server_url (e.g. http://127.0.0.1:1243)")
+        if self.backend == "replay" and not self.replay_path:
+            raise ValueError("agent.search.backend=replay needs agent.search.replay_path (a {query: result} JSON such "
+                             "as ../shared/data/search_cache.json)")
+        return self
 
 
 class ToolLimitsSection(Section):
@@ -79,6 +96,7 @@ class ToolCacheSection(Section):
     path: str | None = Field(None, description="SQLite file; None = <cache_root>/tool_cache.sqlite")
     tools: list[str] = Field(
         default_factory=lambda: ["search"],
+        json_schema_extra=registry("tool"),
         description="registered tools (stages/agent/tools.py) whose successful results are cached. python only "
         "with agent.python.seed set: without it, random/time outputs would repeat across trajectories and "
         "samples; even with it, code that reads the "
@@ -86,7 +104,8 @@ class ToolCacheSection(Section):
 
 
 class InferenceToolsSection(Section):
-    """Tool-Star inference-time tools (research/arpo.md 5.5); each needs an OpenAI-compatible helper LLM."""
+    """Tool-Star inference-time tools (docs/reference.md "Tool-Star's inference-time tools"); each needs an
+    OpenAI-compatible helper LLM."""
 
     debugger: bool = Field(False, description="on a python error an LLM rewrites the code once and it reruns")
     rollback: bool = Field(False, description="on a python error cut back before the <python> and regenerate")
@@ -106,7 +125,8 @@ class InferenceToolsSection(Section):
 class AgentSection(Section):
     """The tool-integrated reasoning protocol shared by RL rollouts and evaluation."""
 
-    prompt_template: str = Field("tir_search_python", description="file stem under configs/templates/")
+    prompt_template: str = Field("tir_search_python", description="file stem under configs/templates/",
+                                 json_schema_extra=input_file("template"))
     python: PythonToolSection = PythonToolSection()
     search: SearchSection = SearchSection()
     limits: ToolLimitsSection = ToolLimitsSection()

@@ -4,7 +4,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.core.config.section import Section
+from stages.core.config.section import Section, used_when
+from stages.core.inputs import input_file
+
+PARQUET = used_when(source="parquet")
+RL_PARQUET = {**PARQUET, **input_file("parquet", columns=("prompt", "reward_model"))}
 
 
 class SyntheticSection(Section):
@@ -17,6 +21,10 @@ class SyntheticSection(Section):
     n_arith: int = Field(0, ge=0, description="products of two arith_digits-digit numbers, one python call each "
                          "(the smallest family the tiny policy learns; bench/bench_learning.py)")
     arith_digits: int = Field(3, ge=1, le=9, description="digits of each factor of an arith task")
+    n_chain: int = Field(0, ge=0, description="two dependent tool calls each: search the generated corpus for a "
+                         "person / company / city, then python on the year it returns (years from it to "
+                         "chain_year); needs n_chain <= n_entities * 5/3 (bench/bench_learning.py)")
+    chain_year: int = Field(2025, description="the year chain questions count to")
     valid_fraction: float = Field(0.1, ge=0, lt=1)
     test_fraction: float = Field(0.2, ge=0, lt=1)
 
@@ -24,13 +32,21 @@ class SyntheticSection(Section):
 class DataSection(Section):
     source: Literal["synthetic", "parquet"] = "synthetic"
     synthetic: SyntheticSection = SyntheticSection()
-    train_path: str | None = Field(None, description="verl RL parquet (source=parquet)")
-    valid_path: str | None = Field(None, description="verl RL parquet for validation (source=parquet)")
-    corpus_path: str | None = Field(None, description="FlashRAG JSONL corpus to ship with real data")
-    system_prompt: str = Field("tir_search_python", description="template name under configs/templates/")
-    fix_backspace_boxed: bool = Field(True, description="repair the 0x08 'oxed' quirk of the reference parquets")
-    max_train_rows: int | None = Field(None, ge=1)
-    bad_rows: Literal["error", "skip"] = Field("skip", description="skip = log file+row of each bad row, go on")
+    train_path: str | None = Field(None, description="verl RL parquet (source=parquet)",
+                                   json_schema_extra=RL_PARQUET)
+    valid_path: str | None = Field(None, description="verl RL parquet for validation (source=parquet)",
+                                   json_schema_extra=RL_PARQUET)
+    corpus_path: str | None = Field(None, description="FlashRAG JSONL corpus to ship with real data (source=parquet; "
+                                    "the synthetic source generates its own)",
+                                    json_schema_extra={**PARQUET, **input_file("jsonl")})
+    system_prompt: str = Field("tir_search_python", description="template name under configs/templates/",
+                               json_schema_extra=input_file("template"))
+    fix_backspace_boxed: bool = Field(True, description="repair the 0x08 'oxed' quirk of the reference parquets",
+                                      json_schema_extra=PARQUET)
+    max_train_rows: int | None = Field(None, ge=1, description="use only the first N valid train rows (source="
+                                       "parquet)", json_schema_extra=PARQUET)
+    bad_rows: Literal["error", "skip"] = Field("skip", description="skip = log file+row of each bad row, go on "
+                                               "(source=parquet)", json_schema_extra=PARQUET)
 
     @model_validator(mode="after")
     def _parquet_paths(self) -> DataSection:

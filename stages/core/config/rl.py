@@ -4,16 +4,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from stages.core.config.generation import GenerationSettings
 from stages.core.config.rl_engine import VerlSection
-from stages.core.config.section import Section
+from stages.core.config.section import Section, registry, used_when
 
 
 class RolloutSection(Section):
     """Multi-turn tool rollouts (ARPO defaults from the 7B reasoning script)."""
 
-    strategy: str = Field("arpo", description="rollout strategy registry name (grpo | arpo | aepo); in a run config "
-                          "rl.algorithm sets it: leave it unset")
-    backend: Literal["transformers", "vllm"] = "transformers"
+    strategy: str = Field("arpo", description="rollout strategy (grpo | arpo | aepo); in a run config rl.algorithm "
+                          "sets it: leave it unset", json_schema_extra=registry("rollout strategy"))
+    backend: str = Field("transformers", description="generation backend: transformers | vllm",
+                         json_schema_extra=registry("generation backend"))
     n: int = Field(16, ge=1, description="trajectories per prompt (GRPO group size, total budget)")
     initial_rollouts: int = Field(8, ge=1, description="root trajectories per prompt")
     beam_size: int = Field(2, ge=1, description="a trajectory makes at most beam_size-1 copies per round")
@@ -26,22 +28,29 @@ class RolloutSection(Section):
         "sum", description="a segment's H from its first entropy_tokens token entropies: sum (the reference; tau "
         "and w were tuned on it) or mean (dH ~k times smaller)")
     entropy_tokens: int = Field(20, ge=1, description="k: tokens of a segment that are measured")
-    entropy_quantity: str = Field("topk", description="per-token entropy, registry stages.generation.token_entropy: "
+    entropy_quantity: str = Field("topk", description="per-token entropy (stages/generation/token_entropy.py): "
                                   "topk (the reference) | full (whole vocabulary, transformers backend only) | "
                                   "surprisal (-log p of the sampled token; rl.engine verl: the stock server, topk: "
-                                  "our top-k server replica)")
-    entropy_topk: int = Field(10, ge=1, description="k of the topk entropy (the reference asks vLLM for 10)")
+                                  "our top-k server replica)", json_schema_extra=registry("entropy quantity"))
+    entropy_topk: int = Field(10, ge=1, description="k of the topk entropy (the reference asks vLLM for 10)",
+                              json_schema_extra=used_when(entropy_quantity="topk"))
     call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
-    max_prompt_length: int = 1536
-    max_response_length: int = 4096
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_prompt_length: int = Field(1536, ge=1, description="prompt tokens (see prompt_overflow)")
+    max_response_length: int = Field(4096, ge=1, description="response tokens per trajectory, tool results included")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of the rollouts (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 = off")
     dynamic_rollouts: bool = Field(False, description="AEPO entropy pre-monitoring for initial_rollouts")
-    dynamic_beta: float = 0.5
-    probe_tokens: int = 50
-    branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty per branch; unset = 0.05 "
-                                  "under the aepo strategy (the reference), else 0")
+    dynamic_beta: float = Field(0.5, description="beta of the pre-monitoring sigmoid",
+                                json_schema_extra=used_when(dynamic_rollouts=True))
+    probe_tokens: int = Field(50, ge=1, description="tokens of each pre-monitoring probe",
+                              json_schema_extra=used_when(dynamic_rollouts=True))
+    branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty, factor max(0, 1 - "
+                                  "penalty * c); unset = 0.05 under the aepo strategy (the reference), else 0")
+    penalty_counter: Literal["consecutive_rounds", "branches"] = Field(
+        "consecutive_rounds", description="AEPO's c: consecutive_rounds (the reference: rounds in a row that added "
+        "copies or fresh roots to the prompt, constant within a round, 0 after a round that added none) or "
+        "branches (every copy the prompt made this rollout, same-round copies included; an earlier reading)")
     fresh_fill: Literal["one", "all"] = Field(
         "one", description="a group with no active trajectory left starts one fresh root per round (reference) "
         "or fills its whole leftover budget at once")
@@ -49,7 +58,8 @@ class RolloutSection(Section):
         "error", description="a prompt longer than max_prompt_length: fail naming the row, keep its last "
         "max_prompt_length tokens, or leave the row out with a warning")
     kv_reuse: bool = Field(True, description="transformers backend: keep KV caches across rounds and share "
-                           "them with branches; false re-prefills every context each round (baseline)")
+                           "them with branches; false re-prefills every context each round (baseline)",
+                           json_schema_extra=used_when(backend="transformers"))
 
     @model_validator(mode="before")
     @classmethod
@@ -71,36 +81,53 @@ class RolloutSection(Section):
                              "returns top-k log-probs only; use entropy_quantity=topk or backend=transformers")
         return self
 
+    def generation(self) -> GenerationSettings:
+        """What stages.generation reads of this section (the tree's own settings stay here)."""
+        return GenerationSettings(
+            n=self.n, call_limit=self.call_limit, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_prompt_length=self.max_prompt_length, max_response_length=self.max_response_length,
+            prompt_overflow=self.prompt_overflow, backend=self.backend, kv_reuse=self.kv_reuse,
+            entropy_quantity=self.entropy_quantity, entropy_topk=self.entropy_topk)
+
 
 class AdvantageSection(Section):
-    estimator: str = Field("grpo", description="advantage registry name")
+    estimator: str = Field("grpo", description="advantage estimator", json_schema_extra=registry("advantage estimator"))
     attribution: Literal["soft", "hard"] = "soft"
     entropy_aware: bool = Field(False, description="AEPO A * (1 + alpha * sg(H_std)); rl.algorithm=aepo turns it on")
-    entropy_alpha: float = 0.2
-    eps: float = 1e-6
+    entropy_alpha: float = Field(0.2, ge=0, description="alpha of the entropy-aware advantage",
+                                 json_schema_extra=used_when(entropy_aware=True))
+    entropy_scope: Literal["step", "micro_batch"] = Field(
+        "step", description="entropy-aware advantage: step (the paper's method as described: the rollout policy's "
+        "token entropies standardised over the whole step) or micro_batch (the reference code's: the current "
+        "policy's entropies standardised per micro-batch inside the loss; local engine only)")
+    eps: float = Field(1e-6, gt=0, description="added to the group std")
 
 
 class LossSection(Section):
-    policy_loss: str = Field("ppo_dual_clip", description="policy loss registry name; rl.algorithm=aepo makes it "
-                             "aepo_balanced_clip")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
+    policy_loss: str = Field("ppo_dual_clip", description="policy loss; rl.algorithm=aepo makes it "
+                             "aepo_balanced_clip", json_schema_extra=registry("policy loss"))
+    aggregation: str = Field(
+        "token_mean", description="token_mean: every valid token of the mini-batch weighs the same (verl 0.9.1); "
+        "micro_token_mean: the reference's token mean per micro-batch scaled by its share of sequences (local "
+        "engine only); seq_mean_token_mean; seq_mean_token_sum_norm (Dr. GRPO)",
+        json_schema_extra=registry("loss aggregation"))
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages (must exceed 1)")
     kl_coef: float = Field(0.0, ge=0, description="0 = no reference model is loaded")
     kl_type: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, ge=0)
 
 
 class OptimSection(Section):
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
 
 
 AlarmName = Literal["tool_collapse", "entropy_collapse", "format_errors_rising", "reward_at_floor",
-                   "no_signal_groups", "reward_collapse", "nonfinite_loss"]
+                   "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures"]
 
 
 class AlarmSection(Section):
@@ -127,28 +154,40 @@ class AlarmSection(Section):
     reward_drop: float = Field(0.5, ge=0, description="reward_collapse: mean reward this far below its best earlier "
                                "value")
     window: int = Field(3, ge=1, description="steps the sustained alarms look at (format errors, floor, no signal)")
+    infra_share: float = Field(0.2, ge=0, le=1, description="infra_failures: at least this share of a step's "
+                               "trajectories was touched by a tool infrastructure failure (search provider, "
+                               "retrieval server, sandbox) and left out of the loss")
 
 
 class TrainerSection(Section):
     total_steps: int | None = Field(None, ge=1, description="None = epochs over the train set")
-    epochs: int = 2
+    epochs: int = Field(2, ge=1)
     train_batch_size: int = Field(128, ge=1, description="prompts per step")
     ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer update")
     micro_batch_size: int = Field(4, ge=1, description="trajectories per forward/backward")
-    ppo_epochs: int = 1
+    ppo_epochs: int = Field(1, ge=1)
     save_every: int = Field(5, ge=1)
     report_every: int = Field(1, ge=1, description="refresh the curves and rollout-sample artifacts every N steps "
                               "(and at the last step)")
     keep_checkpoints: int = Field(1, ge=1, description="complete checkpoints kept (older ones are deleted); "
                                   "the newest is the one a crashed run resumes from")
-    reward: str = Field("reference", description="reward registry name: reference | math_equiv")
+    reward: str = Field("reference", description="reward function: reference | math_equiv",
+                        json_schema_extra=registry("reward function"))
     gradient_checkpointing: bool = False
     dump_rollouts: bool = True
+    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
+        "auto", description="the old policy's log-probs: recompute (a no-grad pass over every trajectory), rollout "
+        "(the sampler's own log-probs; only rows with a forced EOS are recomputed) or auto = rollout where that "
+        "cannot change the loss (ppo_epochs 1, float32 compute, no top-k/top-p truncation, no entropy-aware "
+        "advantage, which needs the pass's entropies), else recompute")
+    shared_prompt: bool = Field(True, description="in the update and the old-log-prob pass, run each distinct "
+                                "prompt of a micro-batch once and its responses over that prompt's KV cache (same "
+                                "log-probs and gradients; off = every trajectory re-reads its prompt)")
 
 
 # What rl.algorithm sets where the config leaves a key unset (or null); AEPO as the reference AEPO script runs it
-# (research/arpo.md 3: entropy-balanced clipping and advantage on, dynamic rollouts off, branch penalty 0.05 via
-# the aepo strategy).
+# (docs/reference.md "Published runs": entropy-balanced clipping and advantage on, dynamic rollouts off, branch
+# penalty 0.05 via the aepo strategy).
 IMPLIED_BY_ALGORITHM: dict[str, dict[str, dict[str, Any]]] = {
     "grpo": {"rollout": {"strategy": "grpo"}},
     "arpo": {"rollout": {"strategy": "arpo"}},
@@ -164,16 +203,23 @@ def _fill_unset(section: Any, implied: dict[str, Any]) -> Any:
 
 class RLSection(Section):
     enabled: bool = True
-    engine: Literal["local", "verl"] = Field(
+    engine: str = Field(
         "local", description="local: one-process trainer on one device; verl: verl 0.9.1 FSDP over Ray (paper "
-        "profiles); names of stages.rl.engines.RL_ENGINES")
+        "profiles)", json_schema_extra=registry("RL engine"))
     local_memory_gb: float = Field(80.0, gt=0, description="memory of the one device the local engine trains on; "
                                    "a policy that cannot fit is refused before any work (stages/core/config/"
-                                   "rl_engine.py)")
-    verl: VerlSection = VerlSection()
-    algorithm: Literal["grpo", "arpo", "aepo"] = Field(
-        "arpo", description="the one source of the algorithm: it sets rollout.strategy and, for aepo, the AEPO "
-        "defaults (balanced clip, entropy-aware advantage, branch penalty 0.05); contradicting settings are errors")
+                                   "rl_engine.py)", json_schema_extra=used_when(engine="local"))
+    verl: VerlSection = Field(VerlSection(), description="verl engine settings (rl.engine=verl; a paper profile "
+                              "keeps its block when switched to the local engine)")
+    algorithm: str = Field(
+        "arpo", description="grpo | arpo | aepo, the one source of the algorithm (a rollout strategy): it sets "
+        "rollout.strategy and, for aepo, the AEPO defaults (balanced clip, entropy-aware advantage, branch penalty "
+        "0.05); contradicting settings are errors", json_schema_extra=registry("rollout strategy"))
+    reference_setting: str | None = Field(
+        None, description="the published training run the algorithm card compares this run with (stages/rl/"
+        "reference_code.py); None = the algorithm's: arpo-qwen2.5-7b-reasoning, aepo-qwen3-14b-deepsearch, "
+        "grpo-qwen2.5-7b-reasoning. Only the card reads it (not part of the stage key)",
+        json_schema_extra=registry("reference setting"))
     rollout: RolloutSection = RolloutSection()
     advantage: AdvantageSection = AdvantageSection()
     loss: LossSection = LossSection()
@@ -190,11 +236,34 @@ class RLSection(Section):
         return {**data, **{name: _fill_unset(data.get(name), values) for name, values in implied.items()}}
 
     @model_validator(mode="after")
-    def _one_algorithm(self) -> RLSection:
-        if self.engine == "verl" and self.rollout.entropy_quantity == "full":
+    def _engine_supports(self) -> RLSection:
+        """Combinations an engine cannot run are refused here, before any work (stages/rl/card.py lists them)."""
+        if self.engine != "verl":
+            return self
+        if self.rollout.entropy_quantity == "full":
             raise ValueError("rl.rollout.entropy_quantity=full needs the whole distribution, which verl's servers do "
                              "not return; with rl.engine=verl use topk (our top-k server replica) or surprisal "
                              "(the stock server)")
+        if self.trainer.old_logprobs == "rollout":
+            raise ValueError("rl.trainer.old_logprobs=rollout runs on the local engine only: verl 0.9.1's trainer "
+                             "always recomputes the old log-probs (its compute_log_prob pass). Use old_logprobs=auto "
+                             "(recompute under verl) with rl.engine=verl, or rl.engine=local")
+        if self.loss.aggregation == "micro_token_mean":
+            raise ValueError("rl.loss.aggregation=micro_token_mean (the reference's per-micro-batch token mean) runs "
+                             "on the local engine only: verl 0.9.1 normalises a token mean over the global "
+                             "mini-batch (agg_loss with batch_num_tokens of all ranks) and has no per-micro-batch "
+                             "mode. Use aggregation=token_mean with rl.engine=verl, or rl.engine=local")
+        if self.advantage.entropy_aware and self.advantage.entropy_scope == "micro_batch":
+            raise ValueError("rl.advantage.entropy_scope=micro_batch runs on the local engine only: verl 0.9.1 "
+                             "hands a policy loss no entropies (workers/utils/losses.py ppo_loss), so the current "
+                             "policy's entropy cannot reach the advantage inside the loss. Use entropy_scope=step "
+                             "(the old policy's entropies over the step, from verl's old-log-prob pass)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_algorithm(self) -> RLSection:
+        if self.trainer.old_logprobs == "rollout":
+            self._check_rollout_logprobs()
         algo = self.algorithm
         if self.rollout.strategy != algo:
             raise ValueError(f"rl.rollout.strategy={self.rollout.strategy} contradicts rl.algorithm={algo}: the "
@@ -205,11 +274,30 @@ class RLSection(Section):
                 ("rl.loss.policy_loss=aepo_balanced_clip", self.loss.policy_loss == "aepo_balanced_clip"),
                 ("rl.advantage.entropy_aware=true", self.advantage.entropy_aware),
                 (f"rl.rollout.branch_penalty={self.rollout.branch_penalty}", self.rollout.branch_penalty > 0),
-                ("rl.rollout.dynamic_rollouts=true", self.rollout.dynamic_rollouts)) if on]
+                ("rl.rollout.dynamic_rollouts=true", self.rollout.dynamic_rollouts),
+                ("rl.advantage.entropy_scope=micro_batch", self.advantage.entropy_scope == "micro_batch")) if on]
             if aepo_only:
                 raise ValueError(f"{', '.join(aepo_only)}: AEPO setting(s) under rl.algorithm={algo}. Set "
                                  "rl.algorithm=aepo (it turns the AEPO defaults on) or remove them")
+        if self.reference_setting is not None and not self.reference_setting.startswith(f"{algo}-"):
+            raise ValueError(f"rl.reference_setting={self.reference_setting} is a published run of another "
+                             f"algorithm than rl.algorithm={algo}; pick one of the {algo}-* settings or leave it "
+                             "unset")
+        if self.advantage.entropy_scope == "micro_batch" and not self.advantage.entropy_aware:
+            raise ValueError("rl.advantage.entropy_scope=micro_batch scales the entropy-aware advantage, which "
+                             "rl.advantage.entropy_aware=false turns off; remove one of the two")
         return self
+
+    def _check_rollout_logprobs(self) -> None:
+        if self.advantage.entropy_aware:
+            raise ValueError("rl.trainer.old_logprobs=rollout skips the pass whose entropies rl.advantage."
+                             "entropy_aware=true (AEPO) scales the advantage with; use old_logprobs=auto or recompute")
+        truncated = self.rollout.top_p < 1 or self.rollout.top_k > 0
+        if truncated and self.rollout.backend == "vllm":
+            raise ValueError("rl.trainer.old_logprobs=rollout with rl.rollout.backend=vllm and top-k/top-p "
+                             "truncation: vLLM's processed log-probs are those of the truncated distribution, not "
+                             "the trainer's softmax(logits / T); use old_logprobs=auto or recompute, or top_p=1, "
+                             "top_k=-1")
 
 
 class MergeSection(Section):

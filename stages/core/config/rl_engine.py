@@ -13,6 +13,7 @@ parameter for the frozen reference model when `rl.loss.kl_coef > 0`. With the vL
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field
 
@@ -39,8 +40,23 @@ class VerlSection(Section):
         None, ge=1, description="dynamic batch size: tokens per GPU per forward (None = fixed micro batches of "
         "rl.trainer.micro_batch_size trajectories)")
     agent_workers: int = Field(8, ge=1, description="agent-loop worker processes (rollout.agent.num_workers)")
+    reward_workers: int = Field(8, ge=1, description="verl reward-loop worker processes (reward.num_workers); "
+                                "each loads verl and the tokenizer (~0.8 GB of RAM)")
     max_concurrent_trees: int = Field(64, ge=1, description="trees rolled out at once per agent-loop worker")
     ray_address: str | None = Field(None, description="join this Ray cluster (e.g. auto); None = start one")
+    ray_num_cpus: int | None = Field(
+        None, ge=1, description="logical CPUs of the Ray cluster verl starts (ray_init.num_cpus; Ray does not pin "
+        "cores, so this may exceed the cores). None = the machine's cores. The pre-flight refuses a cluster that "
+        "cannot hold TransferQueue's and the trainer's CPU reservations (stages/rl/verl/resources.py)")
+    storage_units: int = Field(8, ge=1, description="TransferQueue SimpleStorage units (verl's default 8); each "
+                               "reserves one Ray CPU for the whole run")
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(
+        "sdpa", description="attention of the FSDP actor (verl's default flash_attention_2 needs the flash-attn "
+        "package, which verl[vllm] does not install; the pre-flight checks it). flash_attention_2 also turns on "
+        "verl's remove-padding packing")
+    plugin_modules: list[str] = Field(
+        default_factory=list, description="modules imported before our plugin in every verl process "
+        "(VERL_USE_EXTERNAL_MODULES), e.g. a verl platform plugin for other hardware")
     logger: list[str] = Field(default_factory=lambda: ["console", "file"], description="trainer.logger backends")
     extra_overrides: list[str] = Field(default_factory=list,
                                        description="raw hydra overrides appended last (escape hatch)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from stages.core.config.agent import AgentSection
+from stages.core.config.cost import CostSection
 from stages.core.config.data import DataSection
 from stages.core.config.eval import EvalSection
 from stages.core.config.model import ModelSection
@@ -14,7 +15,6 @@ from stages.core.config.run import RunSection
 from stages.core.config.section import Section
 from stages.core.config.serve import ServeSection
 from stages.core.config.sft import SFTSection
-from stages.core.fingerprint import hash_value
 
 
 class RunConfig(Section):
@@ -28,6 +28,7 @@ class RunConfig(Section):
     merge: MergeSection = MergeSection()
     serve: ServeSection = ServeSection()
     eval: EvalSection = EvalSection()
+    cost: CostSection = CostSection()
 
     @model_validator(mode="after")
     def _local_engine_fits(self) -> RunConfig:
@@ -39,6 +40,3 @@ class RunConfig(Section):
             if problem:
                 raise ValueError(f"rl.engine=local with model {self.model.name!r}: {problem}")
         return self
-
-    def section_hash(self, name: str) -> str:
-        return hash_value(getattr(self, name))

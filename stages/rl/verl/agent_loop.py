@@ -24,6 +24,7 @@ from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
     AgentLoopMetrics,
     AgentLoopOutput,
+    AgentLoopWorker,
     DictConfigWrap,
     ToolListWrap,
     _agent_loop_registry,
@@ -47,7 +48,7 @@ def _executor(threads: int) -> ThreadPoolExecutor:
 
 @register(TREE_AGENT)
 class ArpoTreeAgentLoop(AgentLoopBase):
-    """Our RolloutEngine (strategy, branching, tools, budget) for one prompt over verl's LLM server."""
+    """Our TreeRollout (strategy, branching, tools, budget) for one prompt over verl's LLM server."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         raise TypeError(f"the {TREE_AGENT} agent loop returns a whole tree of n trajectories; it runs only under "
@@ -68,6 +69,14 @@ class ArpoTreeAgentLoop(AgentLoopBase):
 class ArpoAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
     """verl's TransferQueue agent-loop worker; prompts of the tree agent become n sessions of one tree."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """AgentLoopWorkerTQ.__init__ without its zero-argument super(): verl's class is reached through the
+        @ray.remote wrapper, so Ray ships it to the worker process by value and that super() then fails with
+        "super(type, obj): obj must be an instance or subtype of type" (found by the CPU smoke run)."""
+        AgentLoopWorker.__init__(self, *args, **kwargs)
+        tq.init()
+        self.background_tasks = set()
+
     def _tree_loop(self) -> ArpoTreeAgentLoop:
         return hydra.utils.instantiate(
             config=_agent_loop_registry[TREE_AGENT], trainer_config=DictConfigWrap(config=self.config),
@@ -81,7 +90,7 @@ class ArpoAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
         uid, validate = prompt["uid"], bool(trajectory["validate"])
         partition = "val" if validate else "train"
         await tq.async_kv_put(key=uid, partition_id=partition, tag={"status": "running"})
-        status = "failure"
+        status, stored = "failure", []
         try:
             config = self.config.actor_rollout_ref.rollout
             expected = int(prompt.get("__rollout_n__", config.val_kwargs.n if validate else config.n))
@@ -92,10 +101,22 @@ class ArpoAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
                                    f"rollout.n={expected}; rl.rollout.n and actor_rollout_ref.rollout.n must agree")
             for session, output in enumerate(outputs):
                 await self._agent_loop_postprocess(output, validate, session_id=session, **sample)
+                stored.append(f"{uid}_{session}_0")
             status = "finished"
         except Exception:  # as verl's worker does: the prompt is marked failed and the step goes on
-            logger.exception("rollout tree of prompt %s failed", uid)
+            logger.exception("rollout tree of prompt %s failed; its %d stored trajectories are removed", uid,
+                             len(stored))
+            await discard_partial_tree(stored, partition)
         await tq.async_kv_put(key=uid, partition_id=partition, tag={"status": status})
+
+
+async def discard_partial_tree(keys: list[str], partition: str) -> None:
+    """A tree is trained whole or not at all: verl's sync sampler still hands a failed prompt's stored
+    trajectories to the advantage (replay_buffer.py: failed groups stay sampleable), where GRPO statistics and
+    hard attribution over part of a tree would be wrong. The failed prompt then yields no rows; the trainer mode
+    counts it (`rollout/trees_dropped`)."""
+    if keys:
+        await tq.async_kv_clear(keys=keys, partition_id=partition)
 
 
 ArpoAgentLoopWorkerTQ = ray.remote(ArpoAgentLoopWorker)

@@ -1,6 +1,6 @@
 """The verl engine of the RL stage: prepare, check, run verl's PPO entry point, return its checkpoint.
 
-    ref = run_rl_verl(cfg.rl, cfg.agent, policy, data, stage, cache_root, seed, dtype)   # via stages.rl.trainer.run_rl
+    ref = run_rl_verl(cfg.rl, cfg.agent, policy, data, stage, cache_root, seed, dtype)   # via stages.rl.stage.run_rl
 
 Runs under the RL stage's interpreter (`run.interpreters.rl` = verl's environment, `.venv-verl`). In the stage
 folder it writes the data as verl parquet (rows validated and normalised by our reader, so both engines see the
@@ -15,18 +15,22 @@ HF folder with `stages.rl.fsdp_merge` and checks with its parity probe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.agent.toolbox import corpus_path
-from stages.core.atomic import write_json, write_text
+from stages.core import reporter
+from stages.core.atomic import write_json, write_jsonl, write_text
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.log import get_logger
@@ -34,12 +38,14 @@ from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.data import RLRow, read_rl_parquet
 from stages.data.rl_parquet import SCHEMA
 from stages.generation.models import policy_folder, tokenizer_folder
-from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, verl_overrides
+from stages.rl.step_metrics import plot_curves
+from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, external_modules, verl_overrides
+from stages.rl.verl.monitor import Follower, LiveReport, read_steps
 from stages.rl.verl.parity import check_parity
+from stages.rl.verl.resources import preflight
 from stages.rl.verl.settings import SETTINGS_ENV, PluginSettings, write_settings
 
 log = get_logger(__name__)
-PLUGIN_MODULE = "stages.rl.verl.plugin"
 PARITY_PROMPTS = 4
 
 
@@ -60,11 +66,12 @@ def write_verl_parquet(rows: list[RLRow], path: Path) -> Path:
     return path
 
 
-def plugin_env(settings_path: Path | None = None) -> dict[str, str]:
-    """The environment of verl's driver: our plugin module, the settings, this project on the path."""
+def plugin_env(settings_path: Path | None = None, plugin_modules: list[str] | None = None) -> dict[str, str]:
+    """The environment of verl's driver: our plugin module (after rl.verl.plugin_modules), the settings, this
+    project on the path."""
     from stages.core.env import PROJECT_ROOT
 
-    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE,
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": external_modules(list(plugin_modules or [])),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
     if settings_path is not None:
         env[SETTINGS_ENV] = str(settings_path)
@@ -101,7 +108,8 @@ def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache
         generation = GenerationConfig.from_pretrained(str(model_dir))
     except OSError:
         generation = None
-    return PluginSettings(rollout=cfg.rollout, agent=agent, advantage=cfg.advantage, reward=cfg.trainer.reward,
+    return PluginSettings(rollout=cfg.rollout, agent=agent, advantage=cfg.advantage, alarms=cfg.alarms,
+                          reward=cfg.trainer.reward,
                           seed=seed,
                           corpus_path=corpus_path(agent, data),
                           cache_root=str(Path(cache_root).resolve()),
@@ -134,39 +142,108 @@ def prepare(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
     return overrides, paths, rows
 
 
+def total_steps(cfg: RLSection, n_rows: int) -> int:
+    """verl's step count: rl.trainer.total_steps, else epochs x full batches (verl drops the last partial one)."""
+    return cfg.trainer.total_steps or cfg.trainer.epochs * (n_rows // cfg.trainer.train_batch_size)
+
+
 def latest_step(checkpoints: Path) -> int | None:
     marker = checkpoints / "latest_checkpointed_iteration.txt"
     return int(marker.read_text().strip()) if marker.is_file() else None
 
 
-def collect_metrics(stage: Path) -> Path:
-    """verl's file-logger rows of every attempt -> metrics.jsonl, one row per step (a resumed step's last)."""
-    rows: dict[int, dict] = {}
-    for attempt in sorted((stage / "verl_metrics").glob("attempt_*.jsonl")):
-        for line in attempt.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                rows[int(record["step"])] = {"step": int(record["step"]), **record.get("data", {})}
-    out = stage / "metrics.jsonl"
-    write_text(out, "".join(json.dumps(rows[s]) + "\n" for s in sorted(rows)))
-    return out
+def attempts(stage: Path) -> list[Path]:
+    return sorted((stage / "verl_metrics").glob("attempt_*.jsonl"))
+
+
+def collect_metrics(stage: Path) -> list[dict]:
+    """verl's file-logger rows of every attempt -> metrics.jsonl in our names (stages.rl.verl.monitor), one row
+    per step (a resumed step's last)."""
+    rows = read_steps(attempts(stage))
+    history = [rows[s] for s in sorted(rows)]
+    write_jsonl(stage / "metrics.jsonl", history)
+    return history
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the launcher dies, even by SIGKILL (Linux PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
+def leftover_processes(settings_path: str) -> list[int]:
+    """Processes of an earlier attempt of this stage (found by the settings path every verl process has in its
+    environment): when the launcher is SIGKILLed, its parent-death signal takes main_ppo, Ray's GCS, raylet and
+    workers down, but Ray's per-node agents (dashboard, runtime-env) outlive their raylet."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(SETTINGS_ENV) == settings_path:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def reap_leftovers(settings_path: str) -> None:
+    pids = leftover_processes(settings_path)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if pids:
+        log.warning("verl: killed %d processes an earlier attempt of this stage left behind", len(pids))
+
+
+def run_main_ppo(overrides: list[str], env: dict[str, str], stage: Path,
+                 on_poll: Callable[[], object] | None = None, poll_s: float = 5.0) -> int:
+    """`python -m verl.trainer.main_ppo` in its own process group, killed when it ends, when this process is
+    interrupted (or `on_poll`, called every `poll_s` while verl runs, raises), or (parent-death signal) when this
+    process is killed: the Ray cluster verl starts (GCS, raylet, workers, vLLM; Ray's head processes share the
+    driver's fate) never outlives the stage."""
+    with open(stage / "verl.log", "a") as console:
+        proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env, cwd=stage,
+                                stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        try:
+            while True:
+                try:
+                    code = proc.wait(timeout=poll_s)
+                except subprocess.TimeoutExpired:
+                    code = None
+                if on_poll:
+                    on_poll()
+                if code is not None:
+                    return code
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
                 stage: Path, cache_root: Path, seed: int = 0, dtype: str = "bfloat16") -> CheckpointRef:
     overrides, paths, rows = prepare(cfg, agent, policy, data, stage, cache_root, seed, dtype)
-    env = plugin_env(Path(paths.settings))
+    env = plugin_env(Path(paths.settings), cfg.verl.plugin_modules)
+    resources = preflight(cfg.verl)
     found = verify_plugin(sys.executable, env)
     parity = check_parity(str(tokenizer_folder(policy)), [r.messages for r in rows[:PARITY_PROMPTS]])
-    write_json(stage / "verl_inputs" / "preflight.json", {"registrations": found, "token_parity": parity})
+    write_json(stage / "verl_inputs" / "preflight.json", {"registrations": found, "token_parity": parity,
+                                                          "resources": resources})
     log.info("verl: %d overrides (stage %s); plugin %s; launching verl.trainer.main_ppo", len(overrides), stage,
              sorted(found))
-    with open(stage / "verl.log", "a") as console:
-        proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env, cwd=stage,
-                              stdout=console, stderr=subprocess.STDOUT, check=False)
-    collect_metrics(stage)
-    if proc.returncode != 0:
-        raise RuntimeError(f"verl.trainer.main_ppo exited with code {proc.returncode}; see {stage / 'verl.log'}. "
+    reap_leftovers(paths.settings)
+    resumed = latest_step(Path(paths.checkpoints)) or 0
+    with reporter.track("rl", f"RL ({cfg.algorithm}, verl)", total=total_steps(cfg, len(rows)), done=resumed) as bar:
+        live = LiveReport(cfg, stage, bar, resumed)
+        returncode = run_main_ppo(overrides, env, stage, Follower(lambda: attempts(stage), live.on_step).poll)
+    history = collect_metrics(stage)
+    if history:
+        plot_curves(history, stage / "curves.png")
+    if returncode != 0:
+        raise RuntimeError(f"verl.trainer.main_ppo exited with code {returncode}; see {stage / 'verl.log'}. "
                            "Re-running the stage resumes from the newest checkpoint")
     step = latest_step(Path(paths.checkpoints))
     if step is None:
@@ -174,4 +251,4 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
     actor = Path(paths.checkpoints) / f"global_step_{step}" / "actor"
     return CheckpointRef(path=str(actor), fingerprint="", format="verl_fsdp", step=step,
                          meta={"engine": "verl", "metrics": str(stage / "metrics.jsonl"), "log": str(stage / "verl.log"),
-                               "rollouts": paths.rollout_dump})
+                               "curves": str(stage / "curves.png"), "rollouts": paths.rollout_dump})

@@ -20,6 +20,8 @@ ADV_ESTIMATOR = "arpo_grpo"
 TREE_AGENT = "arpo_tree"
 TRAINER_MODE = "arpo_sync"
 MANAGER_CLASS = "stages.rl.verl.agent_loop.ArpoAgentLoopManagerTQ"
+PLUGIN_MODULE = "stages.rl.verl.plugin"
+STRATEGY = "fsdp2"   # FSDP2 DTensor shards: the checkpoint layout stages.rl.fsdp_merge is tested on
 REWARD_PATH = "pkg://stages.rl.verl.reward"
 _PLAIN = re.compile(r"^[\w./:~+@-]+$")
 
@@ -49,10 +51,10 @@ def _fmt(value: object) -> str:
     return text
 
 
-def needs_trainer_mode(rl: RLSection) -> bool:
-    """Hard attribution and entropy-aware advantages need the tree structure and entropies, which verl's
-    advantage call does not pass to an estimator: our `arpo_sync` trainer mode computes them instead."""
-    return rl.advantage.attribution == "hard" or rl.advantage.entropy_aware
+def external_modules(plugin_modules: list[str]) -> str:
+    """VERL_USE_EXTERNAL_MODULES: extra modules (e.g. a platform plugin, which must be registered before verl's
+    first device query) first, then our plugin."""
+    return ",".join([*plugin_modules, PLUGIN_MODULE])
 
 
 def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> list[str]:
@@ -73,6 +75,10 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         # model
         "actor_rollout_ref.model.path": paths.model,
         "actor_rollout_ref.model.enable_gradient_checkpointing": tr.gradient_checkpointing,
+        # verl defaults to flash_attention_2, which verl[vllm] does not install (pre-flight: resources.py);
+        # remove-padding packs sequences into one row, which only flash-attn's varlen kernel keeps apart
+        "+actor_rollout_ref.model.override_config.attn_implementation": vs.attn_implementation,
+        "actor_rollout_ref.model.use_remove_padding": vs.attn_implementation == "flash_attention_2",
         # actor: batches (mini-batch in prompts; verl multiplies by n), loss, optimizer, FSDP
         f"{actor}.ppo_mini_batch_size": tr.ppo_mini_batch_size, f"{actor}.ppo_epochs": tr.ppo_epochs,
         f"{actor}.ppo_micro_batch_size_per_gpu": tr.micro_batch_size, f"{actor}.data_loader_seed": seed,
@@ -86,9 +92,14 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         f"{actor}.optim.lr": opt.lr, f"{actor}.optim.weight_decay": opt.weight_decay,
         f"{actor}.optim.clip_grad": opt.grad_clip, f"{actor}.optim.betas": list(opt.betas),
         f"{actor}.optim.lr_scheduler_type": "constant", f"{actor}.optim.lr_warmup_steps": 0,
+        f"{actor}.strategy": STRATEGY, "actor_rollout_ref.ref.strategy": STRATEGY,  # the layout fsdp_merge reads
         f"{actor}.fsdp_config.param_offload": vs.param_offload,
         f"{actor}.fsdp_config.optimizer_offload": vs.optimizer_offload,
         f"{actor}.fsdp_config.dtype": dtype, f"{actor}.fsdp_config.model_dtype": "fp32",
+        # the compute precision is FSDP's mixed-precision param dtype (verl: bf16 when unset; fsdp_config.dtype is
+        # not read by the FSDP engine, transformer_impl.py:391-397); master weights stay fp32 (model_dtype)
+        **{f"+{role}.fsdp_config.mixed_precision.{key}": value for role in (actor, "actor_rollout_ref.ref")
+           for key, value in (("param_dtype", dtype), ("reduce_dtype", "float32"), ("buffer_dtype", "float32"))},
         # rollout: vLLM replicas, our tree agent loop through our worker/manager
         f"{rollout}.name": "vllm", f"{rollout}.mode": "async", f"{rollout}.n": ro.n,
         f"{rollout}.temperature": ro.temperature, f"{rollout}.top_p": ro.top_p, f"{rollout}.top_k": ro.top_k,
@@ -104,10 +115,10 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         # advantage and reward: ours
         "algorithm.adv_estimator": ADV_ESTIMATOR, "algorithm.use_kl_in_reward": False,
         "reward.custom_reward_function.path": REWARD_PATH, "reward.custom_reward_function.name": "compute_score",
-        "+reward.custom_reward_function.reward_kwargs.reward": tr.reward,
+        "+reward.custom_reward_function.reward_kwargs.reward": tr.reward, "reward.num_workers": vs.reward_workers,
         # trainer: size, steps, checkpoints (auto-resume from the newest global_step_*), logging
         "trainer.nnodes": vs.nnodes, "trainer.n_gpus_per_node": vs.n_gpus_per_node,
-        "trainer.use_v1": True, "trainer.v1.trainer_mode": TRAINER_MODE if needs_trainer_mode(rl) else "sync",
+        "trainer.use_v1": True, "trainer.v1.trainer_mode": TRAINER_MODE,
         "trainer.total_epochs": tr.epochs, "trainer.total_training_steps": tr.total_steps,
         "trainer.save_freq": tr.save_every, "trainer.max_actor_ckpt_to_keep": tr.keep_checkpoints,
         "trainer.default_local_dir": paths.checkpoints, "trainer.resume_mode": "auto",
@@ -115,7 +126,10 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         "trainer.logger": list(vs.logger), "trainer.project_name": "arpo-pipeline",
         "trainer.experiment_name": paths.experiment, "trainer.val_before_train": False, "trainer.test_freq": -1,
         "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_SETTINGS": paths.settings,
-        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": "stages.rl.verl.plugin",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": external_modules(vs.plugin_modules),
+        # resources: TransferQueue reserves one Ray CPU per storage unit (pre-flight: resources.py)
+        "ray_kwargs.ray_init.num_cpus": vs.ray_num_cpus if not vs.ray_address else None,
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units": vs.storage_units,
         "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_ENTROPY": rl.rollout.entropy_quantity,
     }
     if vs.max_token_len_per_gpu:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from stages.core.log import get_logger
-from stages.generation.prompts import chat_prompt_ids
+from stages.generation.prompt_items import chat_prompt_ids
 
 log = get_logger(__name__)
 PARENT_PYTHON_ENV = "ARPO_PARENT_PYTHON"

@@ -4,8 +4,10 @@ VERL_USE_EXTERNAL_MODULES=stages.rl.verl.plugin in Ray's runtime env), so every 
 - advantage estimator `arpo_grpo` -> stages.rl.advantages (GRPO group norm, our semantics: a group of one gets 0);
 - policy losses `arpo_ppo_dual_clip`, `arpo_aepo_balanced_clip` -> stages.rl.losses per-token losses aggregated
   with verl's `agg_loss` (so micro-batches over data-parallel ranks sum to the global mean);
-- agent loop `arpo_tree` and the worker/manager override (stages.rl.verl.agent_loop);
-- trainer mode `arpo_sync` (stages.rl.verl.trainer_mode): hard attribution and AEPO entropy-aware advantages;
+- agent loop `arpo_tree` and the worker/manager override (stages.rl.verl.agent_loop), once verl imports its v1
+  trainer package in the process (stages.rl.verl.lazy: they import vLLM, which most verl processes never need);
+- trainer mode `arpo_sync` (stages.rl.verl.trainer_mode, likewise), every verl run: verl's sync mode, our
+  advantages over whole trees (any attribution, AEPO entropy-aware) and our rollout metrics;
 - with ARPO_VERL_ENTROPY=topk: our vLLM server replica returning top-k entropies (stages.rl.verl.topk_server).
 
 verl swallows plugin import errors (logged at DEBUG), so the launcher checks `registrations()` in a fresh
@@ -14,6 +16,7 @@ interpreter before starting Ray (stages.rl.verl.launch.verify_plugin).
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -23,6 +26,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_pol
 from stages.core.config.rl import LossSection
 from stages.rl.losses import POLICY_LOSSES
 from stages.rl.verl.advantage import tree_advantages
+from stages.rl.verl.lazy import after_import
 from stages.rl.verl.mapping import (
     ADV_ESTIMATOR,
     MANAGER_CLASS,
@@ -37,13 +41,14 @@ from stages.rl.verl.settings import load_settings
 def arpo_grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None,
               index: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's estimator signature over our registry (soft attribution; hard / entropy-aware run in arpo_sync)."""
-    cfg = load_settings().advantage
+    settings = load_settings()
+    cfg = settings.advantage
     if cfg.attribution == "hard" or cfg.entropy_aware:
         raise ValueError("rl.advantage.attribution=hard / entropy_aware=true need trainer.v1.trainer_mode="
                          f"{TRAINER_MODE} (the mapping sets it); verl's estimator call passes no tree or entropy")
     if index is None:
         raise ValueError("arpo_grpo needs the prompt uid per row (verl's `index`); none was given")
-    adv = tree_advantages(cfg, token_level_rewards, response_mask, list(index))
+    adv = tree_advantages(cfg, token_level_rewards, response_mask, list(index), alarms=settings.alarms)
     return adv, adv
 
 
@@ -70,8 +75,12 @@ def _policy_loss(ours: str):
 for _ours, _name in VERL_NAMES.items():
     register_policy_loss(_name)(_policy_loss(_ours))
 
-from stages.rl.verl import agent_loop as _agent_loop  # noqa: F401, E402  (registers arpo_tree)
-from stages.rl.verl import trainer_mode as _trainer_mode  # noqa: F401, E402  (registers arpo_sync)
+# the agent loop (arpo_tree, our worker/manager) and the trainer mode (arpo_sync) import verl modules that import
+# vLLM: registered once verl has imported their packages in this process (stages.rl.verl.lazy)
+# (one hook, on verl's v1 package: it imports verl's agent-loop package itself, and hooking that one instead would
+# import our agent loop while v1 is half-initialised)
+after_import("verl.trainer.ppo.v1", lambda _: [importlib.import_module(f"stages.rl.verl.{name}")
+                                               for name in ("agent_loop", "trainer_mode")])
 
 if os.environ.get("ARPO_VERL_ENTROPY") == "topk":
     from stages.rl.verl.topk_server import register_topk_replica

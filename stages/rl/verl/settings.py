@@ -16,7 +16,7 @@ from pydantic import Field
 
 from stages.core.atomic import write_json
 from stages.core.config.agent import AgentSection
-from stages.core.config.rl import AdvantageSection, RolloutSection
+from stages.core.config.rl import AdvantageSection, AlarmSection, RolloutSection
 from stages.core.config.section import Section
 
 SETTINGS_ENV = "ARPO_VERL_SETTINGS"
@@ -26,6 +26,8 @@ class PluginSettings(Section):
     rollout: RolloutSection = RolloutSection()
     agent: AgentSection = AgentSection()
     advantage: AdvantageSection = AdvantageSection()
+    alarms: AlarmSection = Field(AlarmSection(), description="rl.alarms: the infra_failures alarm is checked in "
+                                 "the advantage step (stages/rl/verl/advantage.py)")
     reward: str = "reference"
     seed: int = Field(0, description="run seed; trees are seeded from (seed, global step, dataset index)")
     corpus_path: str | None = None

@@ -1,6 +1,6 @@
-"""One prompt's rollout tree over verl's LLM-server API, with our unchanged RolloutEngine (no verl import here).
+"""One prompt's rollout tree over verl's LLM-server API, with our unchanged TreeRollout (no verl import here).
 
-verl's agent loops are coroutines on a Ray actor's event loop; our RolloutEngine is synchronous. The tree runs in
+verl's agent loops are coroutines on a Ray actor's event loop; our TreeRollout is synchronous. The tree runs in
 a worker thread; `ServerBackend.generate` submits each round's requests to the event loop
 (`asyncio.run_coroutine_threadsafe`) and waits for them, so a round's generations run concurrently on the server.
 Every request of one tree carries the same request id: verl's load balancer routes by request id, so all roots,
@@ -40,10 +40,10 @@ from stages.generation.base import (
     eos_ids_of,
     vllm_sampling_params,
 )
-from stages.generation.prompts import build_prompt_items
+from stages.generation.prompt_items import build_prompt_items
 from stages.generation.token_entropy import TokenEntropy
 from stages.generation.types import RolloutBatch
-from stages.rl.rollout import RolloutEngine
+from stages.rl.rollout import TreeRollout
 from stages.rl.verl.settings import PluginSettings
 
 ENTROPY_FIELD = "arpo_entropies"   # per-token top-k entropy (nats) from our server replica
@@ -99,6 +99,7 @@ class ServerBackend(PrefixCached):
         self.entropy = entropy or TokenEntropy("surprisal")
         self.vocab_size = len(tokenizer)
         self.stats = ForwardStats()
+        self.weight_versions: list[int] = []  # verl's `global_steps` of the weights that served each request
 
     def refresh_weights(self) -> None:
         """No-op: verl syncs the trainer's weights into its servers before each step's rollouts."""
@@ -115,6 +116,8 @@ class ServerBackend(PrefixCached):
             output = future.result()
             res = result_from_token_output(output, stopper, self.eos_token_ids, self.vocab_size, self.entropy)
             cached = int((output.extra_fields or {}).get("num_cached_tokens") or 0)
+            if (output.extra_fields or {}).get("global_steps") is not None:
+                self.weight_versions.append(int(output.extra_fields["global_steps"]))
             self.stats.add_request(len(req.token_ids), cached, len(res.token_ids))
             results.append(res)
         self.stats.forward_calls += 1
@@ -154,7 +157,9 @@ def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
     """One dict of `AgentLoopOutput` fields per trajectory of a one-prompt batch, in creation order.
 
     `extra_fields` carries the branch structure (for hard attribution), the finish reason, tool counters and the
-    row's ability (verl's reward manager merges extra_fields into `extra_info`, where our reward reads it)."""
+    row's ability (verl's reward manager merges extra_fields into `extra_info`, where our reward reads it).
+    A trajectory touched by a tool infrastructure failure gets an all-zero `response_mask` (out of verl's loss
+    and its aggregation denominators) and `arpo_masked` (out of its group's statistics: advantage.py)."""
     if len(batch.groups) != 1:
         raise ValueError(f"a rollout tree covers one prompt, got {len(batch.groups)} groups")
     group = batch.groups[0]
@@ -166,7 +171,8 @@ def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
         calls = sum(traj.tool_calls.values())
         outputs.append({
             "prompt_ids": list(traj.prompt_ids), "response_ids": list(traj.response_ids),
-            "response_mask": list(traj.loss_mask), "response_logprobs": list(traj.sample_logprobs),
+            "response_mask": [0] * len(traj.loss_mask) if traj.masked else list(traj.loss_mask),
+            "response_logprobs": list(traj.sample_logprobs),
             "num_turns": 2 + 2 * calls,
             "metrics": {"generate_sequences": generate_s, "tool_calls": tools_s},
             "extra_fields": {
@@ -174,6 +180,8 @@ def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
                 "arpo_parent": index_of.get(traj.parent_id, -1) if traj.parent_id is not None else -1,
                 "arpo_fork_at": int(traj.fork_at), "arpo_finish": traj.finish_reason,
                 "arpo_tool_calls": calls, "arpo_tool_errors": traj.tool_errors,
+                "arpo_infra_failures": traj.infra_failures - traj.meta.get("inherited_infra_failures", 0),
+                "arpo_masked": int(traj.masked),
                 "arpo_branches": group.branches, "arpo_fresh": group.fresh,
             },
         })
@@ -203,7 +211,12 @@ async def rollout_tree(generate: GenerateFn, tokenizer, toolbox, settings: Plugi
     eos = frozenset(settings.eos_token_ids) if settings.eos_token_ids else eos_ids_of(tokenizer)
     backend = ServerBackend(generate, asyncio.get_running_loop(), request_id, tokenizer, eos,
                             TokenEntropy(cfg.entropy_quantity, cfg.entropy_topk))
-    engine = RolloutEngine(backend, toolbox, tokenizer, cfg, show_progress=False)
+    tree = TreeRollout(backend, toolbox, tokenizer, cfg, show_progress=False)
     seed = tree_seed(settings.seed, global_step, row.index, validate)
-    batch = await asyncio.get_running_loop().run_in_executor(executor, lambda: engine.rollout(items, seed=seed))
-    return tree_outputs(batch)
+    batch = await asyncio.get_running_loop().run_in_executor(executor, lambda: tree.rollout(items, seed=seed))
+    outputs = tree_outputs(batch)
+    if backend.weight_versions:  # verl's staleness metrics read them per trajectory (trainer_base._compute_metrics)
+        versions = {"min_global_steps": min(backend.weight_versions), "max_global_steps": max(backend.weight_versions)}
+        for output in outputs:
+            output["extra_fields"] |= versions
+    return outputs

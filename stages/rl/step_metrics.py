@@ -7,7 +7,9 @@ steps <= the resumed checkpoint and puts back a row the crash kept from being ap
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,10 @@ def rollout_metrics(batch: RolloutBatch, rewards: list[Reward]) -> dict[str, flo
         "tools/errors_per_traj": _mean([float(t.tool_errors) for t in trajs]),
         "tools/used_both_rate": _mean([float(t.tool_calls.get("search", 0) > 0 and t.tool_calls.get("python", 0) > 0)
                                        for t in trajs]),
+        # the environment's failures (provider, server, sandbox), each counted once; the trajectories they touched
+        # are out of the loss (stages/rl/update.py) and counted as rollout/masked_trajectories
+        "tools/infra_failures": float(batch.metrics.get("infra_failures", 0.0)),
+        "rollout/masked_share": _mean([float(t.masked) for t in trajs]),
         "rollout/trajectories": float(len(trajs)),
         "rollout/initial_per_group": _mean([float(g.initial_rollouts) for g in batch.groups]),
         "rollout/branches_per_group": _mean([float(g.branches) for g in batch.groups]),
@@ -103,18 +109,32 @@ def dump_rollouts(path: Path, step: int, batch: RolloutBatch, rewards: list[Rewa
                          group.trajectories[0] else None, "response": traj.response_text,
                          "reward": rewards[i].to_json(), "advantage": advantages[i],
                          "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
+                         "infra_failures": traj.infra_failures, "masked": traj.masked,
                          "finish_reason": traj.finish_reason, "length": len(traj),
                          "model_tokens": int(sum(traj.loss_mask))})
             i += 1
     write_jsonl(path, rows)
 
 
+@functools.cache
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("matplotlib is not installed in %s: no curves.png (metrics.jsonl has the numbers)", sys.executable)
+        return False
+    return True
+
+
 CURVES = (("reward/mean", "reward"), ("accuracy", "accuracy"), ("entropy/mean", "token entropy / ln|V|"),
           ("tools/calls_per_traj", "tool calls per trajectory"))
 
 
-def plot_curves(rows: list[dict[str, Any]], png: Path) -> Path:
-    """Reward, accuracy, entropy and tool-call curves over steps, one panel each."""
+def plot_curves(rows: list[dict[str, Any]], png: Path) -> Path | None:
+    """Reward, accuracy, entropy and tool-call curves over steps, one panel each. None without matplotlib (an
+    interpreter that has only what RL needs, e.g. the vLLM environment: metrics.jsonl holds the same numbers)."""
+    if not _has_matplotlib():
+        return None
     import matplotlib
 
     matplotlib.use("Agg")

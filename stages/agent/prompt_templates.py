@@ -1,6 +1,6 @@
 """Chat messages for the TIR protocol from the prompt templates in configs/templates/.
 
-Templates (file stems): `tir_search_python` (the reference system prompt, research/arpo.md 4.2),
+Templates (file stems): `tir_search_python` (the reference system prompt, docs/reference.md "System prompt"),
 `tir_search_python_zh` (the reference's Chinese prompt `code_search_cn`, which its Chinese inference script uses
 for xbench), `tir_search` (search only), `tir_python` (python only), `no_tool`. Which tools a template offers is read
 from the tags
@@ -33,7 +33,3 @@ def template_tools(template: str = "tir_search_python") -> tuple[str, ...]:
     text = system_prompt(template)
     return tuple(tool for tool in tool_names() if f"<{tool}>" in text)
 
-
-def stop_tags(template: str = "tir_search_python") -> tuple[str, ...]:
-    """Stop strings for generation under a template: the closing tags of the tools it offers."""
-    return tuple(f"</{tool}>" for tool in template_tools(template))

@@ -1,16 +1,27 @@
-"""Prompts for the rollout engine: token ids built with the tokenizer's chat template, length-checked."""
+"""Prompts for the tool rollout: token ids built with the tokenizer's chat template, length-checked."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from stages.core.errors import BadInputError
 from stages.core.log import get_logger
-from stages.data import RLRow
 
 log = get_logger(__name__)
+
+
+class PromptRow(Protocol):
+    """What a rollout needs of a task row (stages.data.RLRow has it): the runtime does not import the data stage."""
+
+    index: int
+    ability: str
+    ground_truth: str
+    question: str
+
+    @property
+    def messages(self) -> list[dict[str, str]]: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def build_prompt_items(rows: Sequence[RLRow], tokenizer, max_prompt_length: int,
+def build_prompt_items(rows: Sequence[PromptRow], tokenizer, max_prompt_length: int,
                        overflow: Literal["error", "truncate_left", "skip"] = "error",
                        source: str = "the RL data") -> list[PromptItem]:
     """One PromptItem per row (group = position in the returned list).

@@ -1,6 +1,6 @@
 """Per-sample rule metrics and the reference's aggregate figures.
 
-- QA: `em`, `f1` (SQuAD normalisation, max over list golds: stages.agent.scoring) and `acc` (cover match: a
+- QA: `em`, `f1` (SQuAD normalisation, max over list golds: stages.agent.answer_match) and `acc` (cover match: a
   normalised gold occurs inside the normalised prediction, the reference's `acc`).
 - Math: `math_equal` with math-verify, run in a **process pool**: math-verify enforces its timeouts with
   `signal.alarm`, which only works in a main thread, and a pool worker runs each task in its main thread.
@@ -21,7 +21,7 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from stages.agent.scoring import (
+from stages.agent.answer_match import (
     exact_match,
     f1_score,
     math_equivalent,

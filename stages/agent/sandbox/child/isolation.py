@@ -1,7 +1,7 @@
 """Isolation steps of one sandboxed call (namespaces, mounts, privileges, Landlock), in stdlib + ctypes only.
 
-Part of the sandbox's interpreter side: stages/agent/sandbox_zygote.py runs this file's source followed by
-sandbox_runner.py's as one `python -c` program (the sandbox sees no project files), and sandbox_runner.py imports
+Part of the sandbox's interpreter side: stages/agent/sandbox/zygote_client.py runs this file's source followed by
+zygote_server.py's as one `python -c` program (the sandbox sees no project files), and zygote_server.py imports
 it by name when it is loaded as a module.
 """
 

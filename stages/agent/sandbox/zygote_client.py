@@ -1,5 +1,5 @@
-"""Host side of the sandbox's warm parent (the zygote in stages/agent/sandbox_runner.py): start it, hand it calls,
-restart it when it dies. Stdlib only and free of config models, so tests can drive it from any interpreter.
+"""Host side of the sandbox's warm parent (the zygote in child/zygote_server.py): start it, hand it calls, restart
+it when it dies. Stdlib only and free of config models, so tests can drive it from any interpreter.
 
 One `WarmParent` holds one zygote process (inside bubblewrap, or on the host in the rlimit mode) and is safe
 to share between threads; each call sends one control message (SOCK_SEQPACKET) carrying four descriptors:
@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.agent import sandbox_isolation, sandbox_runner
-from stages.agent.sandbox_spec import (
+from stages.agent.sandbox.child import isolation, zygote_server
+from stages.agent.sandbox.spec import (
     CALL_MOUNTS,
     SANDBOX_DIR,
     InterpreterPaths,
@@ -33,7 +33,7 @@ from stages.agent.sandbox_spec import (
 )
 
 # one program for `python -c` (the sandbox sees no project files): the isolation steps, then the zygote
-RUNNER_SOURCE = "\n".join(Path(m.__file__).read_text(encoding="utf-8") for m in (sandbox_isolation, sandbox_runner))
+RUNNER_SOURCE = "\n".join(Path(m.__file__).read_text(encoding="utf-8") for m in (isolation, zygote_server))
 ANSWER_GRACE_S = 10.0  # beyond the call's own timeout, which the zygote enforces, before the host gives up on it
 
 
@@ -73,8 +73,9 @@ def _memfd(name: str, data: bytes = b"") -> int:
     return fd
 
 
-class _Zygote:
-    """One zygote process and its control socket."""
+class ZygoteClient:
+    """The host's end of one zygote process (a `ZygoteServer`, child/zygote_server.py): the process and its
+    control socket."""
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -144,12 +145,12 @@ class WarmParent:
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawner")
         self._lock = threading.Lock()
         self._closed = False
-        self._zygote: _Zygote | None = None
+        self._zygote: ZygoteClient | None = None
         self._pid = os.getpid()
         self.restarts = 0
         self._current()
 
-    def _current(self) -> _Zygote:
+    def _current(self) -> ZygoteClient:
         if os.getpid() != self._pid:
             raise RuntimeError(f"this PythonSandbox belongs to process {self._pid}; a forked process must create "
                                "its own (its warm parent and threads did not come along)")
@@ -160,10 +161,10 @@ class WarmParent:
                 self._retire(self._zygote)
                 self.restarts += 1
             if self._zygote is None:
-                self._zygote = self._spawner.submit(_Zygote, self.argv, self.env, self.cwd).result()
+                self._zygote = self._spawner.submit(ZygoteClient, self.argv, self.env, self.cwd).result()
             return self._zygote
 
-    def _retire(self, zygote: _Zygote) -> None:
+    def _retire(self, zygote: ZygoteClient) -> None:
         """Stop `zygote` unless another thread did already (call with the lock held)."""
         if self._zygote is zygote:
             self._zygote = None

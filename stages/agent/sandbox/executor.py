@@ -10,9 +10,9 @@ Two isolation levels (`agent.python.sandbox`); docs/agent.md states what each co
   (processes, files in the shared temp folders, SysV IPC) are removed after the call.
 Both add rlimits (CPU, address space, processes, file size, open files), a wall-clock timeout and capped output.
 
-Speed: one warm parent per sandbox (stages/agent/sandbox_zygote.py) has numpy/sympy imported and forks each call
-from that pristine state, so a call costs a fork (a few ms) instead of an interpreter start plus imports, and
-concurrent calls do not wait for each other.
+Speed: one warm parent per sandbox (zygote_client.py, serving child/zygote_server.py) has numpy/sympy imported
+and forks each call from that pristine state, so a call costs a fork (a few ms) instead of an interpreter start
+plus imports, and concurrent calls do not wait for each other.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Self
 
-from stages.agent.sandbox_os import (
+from stages.agent.sandbox.host import (
     SandboxUnavailable,
     interpreter_paths,
     is_root,
@@ -40,20 +40,20 @@ from stages.agent.sandbox_os import (
     tasks_of,
     uid_allocator,
 )
-from stages.agent.sandbox_spec import (
+from stages.agent.sandbox.spec import (
     SANDBOX_DIR,
     InterpreterPaths,
     prepare_code,
     sandbox_env,
 )
-from stages.agent.sandbox_zygote import CallOutcome, WarmParent, zygote_argv
+from stages.agent.sandbox.zygote_client import CallOutcome, WarmParent, zygote_argv
 from stages.core.config.agent import PythonToolSection
 from stages.core.log import get_logger
 
 log = get_logger(__name__)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 TASK_COUNT_TTL_S = 0.5
-SETUP_FAILED = 125  # the call's child could not isolate itself and ran nothing (sandbox_runner)
+SETUP_FAILED = 125  # the call's child could not isolate itself and ran nothing (child/zygote_server.py)
 HOW_TO_FIX = (
     "Fix it: install bubblewrap (`apt-get install -y bubblewrap`; scripts/setup.sh does this when run as root) "
     "and, when the pipeline does not run as root, allow unprivileged user namespaces (Debian/older kernels: "
@@ -76,7 +76,12 @@ def _close_live_sandboxes() -> None:
 
 @dataclass(frozen=True)
 class ExecResult:
-    """Outcome of one call. `status`: ok | error | timeout | cpu_limit | killed | refused | start_failed."""
+    """Outcome of one call. `status`: ok | error | timeout | cpu_limit | killed | refused | start_failed.
+
+    `infra`: the sandbox failed, not the code: it could not start (`start_failed`), or it never reported the
+    call's end (the warm parent died under it, or hung past the call's timeout plus a grace: `killed` / `timeout`
+    without an exit record). A timeout, CPU or memory limit the code itself ran into, its exceptions and its own
+    signals have an exit record and are the code's (`infra` false)."""
 
     status: str
     stdout: str
@@ -84,6 +89,7 @@ class ExecResult:
     returncode: int | None
     duration_s: float
     meta: dict = field(default_factory=dict)
+    infra: bool = False
 
     @property
     def ok(self) -> bool:
@@ -232,12 +238,13 @@ class PythonSandbox:
             else ("", False, 0)
         record = outcome.exit or {}
         rc, wall = record.get("exit"), float(record.get("wall_s", 0.0))
+        infra = outcome.exit is None  # no exit record: the sandbox, not the code, ended the call
         if outcome.exit is None:
             status = "timeout" if outcome.lost.startswith("no answer") else "killed"
             status = "start_failed" if "failed to start" in outcome.lost else status
             stderr = "\n".join(p for p in (stderr, outcome.lost) if p)
         elif "error" in record or (rc == SETUP_FAILED and not outcome.facts):
-            status = "start_failed"
+            status, infra = "start_failed", True
             stderr = "\n".join(p for p in (stderr, record.get("error", "")) if p)
         elif record.get("timed_out"):
             status = "timeout"
@@ -250,7 +257,7 @@ class PythonSandbox:
             status = "error"
         meta = self._meta({**outcome.facts, "uid": uid, "truncated": out_cut or err_cut,
                            "output_limit_hit": size >= (cfg.max_file_mb << 20) - 65536})
-        return ExecResult(status, stdout, stderr, rc, wall, meta)
+        return ExecResult(status, stdout, stderr, rc, wall, meta, infra)
 
     def _meta(self, extra: dict) -> dict:
         return {"sandbox": self.mode, "sandbox_reason": self.mode_reason, "timeout_s": self.cfg.timeout_s,

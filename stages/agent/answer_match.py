@@ -5,7 +5,7 @@
   `"['Frank Lowy']"` (the hotpotqa/2wiki/musique/bamboogle/SimpleQA files); always returns a list of strings.
   Dataset-specific gold extraction (gsm8k `#### 18`) belongs to the eval loaders.
 - `exact_match`, `f1_score`: max over the golds; F1 follows the HotpotQA/reference rule that a yes/no/noanswer
-  on either side scores 0 unless both normalise to the same string (research/arpo.md 6.1).
+  on either side scores 0 unless both normalise to the same string (docs/reference.md "Reward").
 - `math_equivalent`: math-verify. math-verify enforces its timeouts with `signal.alarm`, which only works in the
   main thread; called from any other thread this function disables math-verify's timeouts and instead refuses
   inputs longer than `MAX_MATH_CHARS` (the pathological cases are huge expressions). Safe from any thread.

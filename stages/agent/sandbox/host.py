@@ -17,7 +17,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from stages.agent.sandbox_spec import InterpreterPaths, clip_output
+from stages.agent.sandbox.spec import InterpreterPaths, clip_output
 
 UID_SPAN = 100_000
 UID_LOCK_FILE = Path("/tmp/arpo-sandbox-uids.lock")

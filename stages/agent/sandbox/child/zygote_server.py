@@ -1,6 +1,6 @@
 """The interpreter side of the python sandbox: a warm parent (the zygote) that forks one child per call.
 
-Stdlib only; started as `python -s -c <this source> <json spec>` by stages/agent/sandbox_zygote.py, inside
+Stdlib only; started as `python -s -c <this source> <json spec>` by stages/agent/sandbox/zygote_client.py, inside
 bubblewrap (mode `bwrap`) or directly on the host (mode `rlimit`).
 
 The zygote, once: imports the preloads (numpy, sympy, common stdlib), freezes the GC (a forked child then does
@@ -36,8 +36,8 @@ import sys
 import time
 import traceback
 
-if __name__ != "__main__":  # imported as a module; under `python -c` sandbox_isolation's source comes first
-    from stages.agent.sandbox_isolation import (
+if __name__ != "__main__":  # imported as a module; under `python -c` isolation.py's source comes first
+    from stages.agent.sandbox.child.isolation import (
         CLONE_NEWPID,
         LIBC,
         MB,
@@ -195,7 +195,7 @@ def _close_from(low):
 
 
 # ---- the zygote --------------------------------------------------------------------------------------------------
-class Zygote:
+class ZygoteServer:
     def __init__(self, spec):
         self.spec = spec
         self.control = socket.socket(fileno=spec["control_fd"])
@@ -338,7 +338,7 @@ class Zygote:
 
 def main():
     sys.path[:] = [p for p in sys.path if p]  # not the working dir: a call's files must not shadow modules
-    Zygote(json.loads(sys.argv[1])).serve()
+    ZygoteServer(json.loads(sys.argv[1])).serve()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The token-level driver of the agent runtime: n tool-using trajectories per prompt over a GenerationBackend.
 
-    engine = TIRRollout(backend, toolbox, tokenizer, rollout_cfg, seed=0)
-    batch = engine.rollout(build_prompt_items(rows, tokenizer, rollout_cfg.max_prompt_length))
+    rollout = ToolRollout(backend, toolbox, tokenizer, settings, seed=0)    # settings: GenerationSettings
+    batch = rollout.rollout(build_prompt_items(rows, tokenizer, settings.max_prompt_length))
 
 One round = one batched `backend.generate` over every active trajectory, stopping at the stop tags / EOS / the
 trajectory's response budget; then each trajectory takes the TIR step (stages.agent.loop.next_step, the rule the
@@ -13,10 +13,13 @@ tokens (no BOS) and appended with loss mask 0; tool tokens count against `max_re
 does not fit is cut and the trajectory ends with `length`). Model tokens are kept exactly as sampled (stop tags
 included); nothing is re-encoded.
 
-Here every group gets n independent roots (GRPO sampling: what SFT's self-critic pairs use). RL's rollout engine
-(stages.rl.rollout.RolloutEngine) is this driver plus branching: it fills the hooks `_initial_count`,
-`_before_roots` (AEPO's probe), `_measure` (segment entropy), `_after_generation` / `_after_tools` (forks) and
-`_fill` (fresh roots). All randomness comes from one numpy generator seeded by (seed, rollout call index).
+How a group grows is the `GrowthPolicy` passed in. The default, `IndependentRoots`, gives every group n
+independent roots (GRPO sampling: what SFT's self-critic pairs use). RL's tree rollout (stages.rl.rollout) passes
+its branch policy, which answers the same few questions: how many roots to start, what to do before they start
+(AEPO's probe), what to note of a new segment (its entropy), which trajectories to fork after a round's
+generation or tools, and how to refill a group between rounds. It acts on the driver only through the driver's
+public methods (`run_rounds`, `new_root`, `take_id`, `fork`, `add_time`, `restart_ids`). All randomness comes from
+one numpy generator seeded by (seed, rollout call index).
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ import numpy as np
 from stages.agent.loop import LoopRules, Segment, next_step
 from stages.agent.protocol import STOP_TAGS, ToolCall, render_result
 from stages.agent.stops import cut_at_stop
-from stages.core.config.rl import RolloutSection
+from stages.core.config.generation import GenerationSettings
 from stages.core.log import progress
 from stages.generation.base import GenerationBackend, GenRequest, GenResult, SamplingSpec
-from stages.generation.prompts import PromptItem
+from stages.generation.prompt_items import PromptItem
 from stages.generation.rollout_state import GroupState, LiveTrajectory, to_batch, trajectory_metrics
 from stages.generation.types import RolloutBatch, Trajectory
 
@@ -46,13 +49,69 @@ class ToolRunner(Protocol):
     def execute_many(self, calls: Sequence[tuple[ToolCall, Any]]) -> list[Any]: ...  # .tool .text .ok .meta
 
 
-class TIRRollout:
-    branching = False      # RL's engine: the strategy's
+class GrowthPolicy(Protocol):
+    """How the groups of a rollout grow: the questions the driver asks (RL's branch policy answers them)."""
+
+    branching: bool   # whether the main rounds may fork trajectories
+    fill_fresh: bool  # whether groups are refilled between rounds (`fill`)
+
+    def initial_count(self) -> int:
+        """Roots each group starts with (before `before_roots` may set a group's own `initial`)."""
+
+    def before_roots(self, rollout: ToolRollout, groups: list[GroupState], rng: np.random.Generator) -> None:
+        """Before the roots start (AEPO measures a probe here)."""
+
+    def measure(self, m: LiveTrajectory, res: GenResult) -> None:
+        """Bookkeeping of a newly generated segment (RL: its entropy)."""
+
+    def after_generation(self, rollout: ToolRollout, groups: list[GroupState], live: list[LiveTrajectory],
+                         rng: np.random.Generator, branching: bool) -> None:
+        """After a round's segments are taken, before tools run."""
+
+    def after_tools(self, rollout: ToolRollout, groups: list[GroupState], called: list[LiveTrajectory],
+                    rng: np.random.Generator, branching: bool) -> None:
+        """After the round's tool results are appended."""
+
+    def fill(self, rollout: ToolRollout, g: GroupState) -> None:
+        """Between rounds: start more roots in a group that needs them."""
+
+
+class IndependentRoots:
+    """n independent roots per group, nothing forked or refilled (GRPO sampling)."""
+
+    branching = False
     fill_fresh = False
 
-    def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: RolloutSection,
-                 seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True) -> None:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def initial_count(self) -> int:
+        return self.n
+
+    def before_roots(self, rollout: ToolRollout, groups: list[GroupState], rng: np.random.Generator) -> None:
+        pass
+
+    def measure(self, m: LiveTrajectory, res: GenResult) -> None:
+        pass
+
+    def after_generation(self, rollout: ToolRollout, groups: list[GroupState], live: list[LiveTrajectory],
+                         rng: np.random.Generator, branching: bool) -> None:
+        pass
+
+    def after_tools(self, rollout: ToolRollout, groups: list[GroupState], called: list[LiveTrajectory],
+                    rng: np.random.Generator, branching: bool) -> None:
+        pass
+
+    def fill(self, rollout: ToolRollout, g: GroupState) -> None:
+        pass
+
+
+class ToolRollout:
+    def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: GenerationSettings,
+                 seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True,
+                 policy: GrowthPolicy | None = None) -> None:
         self.backend, self.toolbox, self.tokenizer, self.cfg = backend, toolbox, tokenizer, cfg
+        self.policy = IndependentRoots(cfg.n) if policy is None else policy
         self.seed, self.show_progress = seed, show_progress
         self.rules = LoopRules(stops=tuple(stop), call_limit=cfg.call_limit, empty_call="end")
         self.sampling = SamplingSpec(cfg.temperature, cfg.top_p, cfg.top_k, tuple(stop))
@@ -76,13 +135,13 @@ class TIRRollout:
         start, before = time.perf_counter(), self.backend.stats.copy()
         self.backend.refresh_weights()
         try:
-            groups = [GroupState(p, self.cfg.n, self._initial_count()) for p in prompts]
+            groups = [GroupState(p, self.cfg.n, self.policy.initial_count()) for p in prompts]
             self.backend.prefill([(g.prompt_key, g.item.prompt_ids) for g in groups])
-            self._before_roots(groups, rng)
+            self.policy.before_roots(self, groups, rng)
             for g in groups:
                 for _ in range(g.initial):
-                    self._new_root(g, "root")
-            rounds = self._run(groups, rng, self.branching, self.fill_fresh, "rollout")
+                    self.new_root(g, "root")
+            rounds = self.run_rounds(groups, rng, self.policy.branching, self.policy.fill_fresh, "rollout")
         finally:
             self.backend.release()
         metrics = {**trajectory_metrics(groups), "rounds": float(rounds),
@@ -92,29 +151,8 @@ class TIRRollout:
         metrics["time_total_s"] = time.perf_counter() - start
         return to_batch(groups, self.tokenizer, metrics)
 
-    # ---- hooks (RL's branching engine fills them) -----------------------------------------------------------
-    def _initial_count(self) -> int:
-        return self.cfg.n
-
-    def _before_roots(self, groups: list[GroupState], rng: np.random.Generator) -> None:
-        """Before the roots start (AEPO measures a probe here)."""
-
-    def _measure(self, m: LiveTrajectory, res: GenResult) -> None:
-        """Bookkeeping of a newly generated segment (RL: its entropy)."""
-
-    def _after_generation(self, groups: list[GroupState], live: list[LiveTrajectory], rng: np.random.Generator,
-                          branching: bool) -> None:
-        """After a round's segments are taken, before tools run."""
-
-    def _after_tools(self, groups: list[GroupState], called: list[LiveTrajectory], rng: np.random.Generator,
-                     branching: bool) -> None:
-        """After the round's tool results are appended."""
-
-    def _fill(self, g: GroupState) -> None:
-        """Between rounds: start more roots in a group that needs them."""
-
-    # ---- the round loop ---------------------------------------------------------------------------------------
-    def _run(self, groups: list[GroupState], rng: np.random.Generator, branching: bool, fill: bool,
+    # ---- the round loop (a policy may run it on probe groups) ---------------------------------------------------
+    def run_rounds(self, groups: list[GroupState], rng: np.random.Generator, branching: bool, fill: bool,
              label: str, main: bool = True) -> int:
         """Rounds until no trajectory is active. Caches are freed as soon as nothing can use them: a finished
         trajectory's after its round (forks happen within the round), a group's prompt cache once the group has
@@ -130,7 +168,7 @@ class TIRRollout:
                 self.backend.release([m.key for m in live if m.done])
                 for g in groups:
                     if fill:
-                        self._fill(g)
+                        self.policy.fill(self, g)
                     if main and len(g.members) >= g.n:
                         self.backend.release([g.prompt_key])
                 rounds += 1
@@ -147,11 +185,11 @@ class TIRRollout:
             m.seg_start = len(m.traj)
             m.append(res.token_ids, 1, res.logprobs, res.entropies)
             m.last_after_result, m.after_result = m.after_result, False
-            self._measure(m, res)
-        self._after_generation(groups, live, rng, branching)
+            self.policy.measure(m, res)
+        self.policy.after_generation(self, groups, live, rng, branching)
         calls = [(m, call) for m, res in zip(live, results) if (call := self._step(m, res)) is not None]
         self._run_tools(calls)
-        self._after_tools(groups, [m for m, _ in calls if not m.done], rng, branching)
+        self.policy.after_tools(self, groups, [m for m, _ in calls if not m.done], rng, branching)
 
     def _step(self, m: LiveTrajectory, res: GenResult) -> ToolCall | None:
         """The TIR step after a segment: finish the trajectory, or return the call it ends with."""
@@ -206,6 +244,8 @@ class TIRRollout:
                 m.traj.meta["tool_rejected"] = m.traj.meta.get("tool_rejected", 0) + 1
             elif not res.ok:
                 m.traj.tool_errors += 1
+            if getattr(res, "fault", None) == "infra":  # the provider / sandbox failed: not the policy's doing
+                m.traj.infra_failures += 1
             ids = self.tokenizer.encode(render_result(res.text), add_special_tokens=False)
             room = m.budget(self.cfg.max_response_length)
             m.append(ids[:room], 0)
@@ -215,13 +255,28 @@ class TIRRollout:
             else:
                 m.after_result = True
 
-    # ---- trajectories -----------------------------------------------------------------------------------------
-    def _take_id(self) -> int:
+    # ---- trajectories (what a policy may do) -----------------------------------------------------------------
+    def take_id(self) -> int:
+        """The next trajectory id of this rollout."""
         self._next_id += 1
         return self._next_id - 1
 
-    def _new_root(self, g: GroupState, kind: str, key_prefix: str | None = None) -> LiveTrajectory:
-        traj_id = self._take_id()
+    def restart_ids(self) -> None:
+        """Number trajectories from 0 again (after a probe, whose trajectories are dropped)."""
+        self._next_id = 0
+
+    def add_time(self, timer: str, seconds: float) -> None:
+        self._timers[timer] += seconds
+
+    def fork(self, parent: LiveTrajectory, child_id: int, fork_at: int, h_initial: float | None) -> LiveTrajectory:
+        """A copy of `parent` sharing its first `fork_at` response tokens, its tool state copied and its KV cache
+        forked; the caller adds it to a group."""
+        child = parent.fork(child_id, child_id, fork_at, parent.state.copy(), h_initial=h_initial)
+        self.backend.fork(parent.key, child.key, len(parent.traj.prompt_ids) + fork_at)
+        return child
+
+    def new_root(self, g: GroupState, kind: str, key_prefix: str | None = None) -> LiveTrajectory:
+        traj_id = self.take_id()
         key = traj_id if key_prefix is None else (key_prefix, traj_id)
         traj = Trajectory(traj_id=traj_id, group=g.item.group, prompt_ids=list(g.item.prompt_ids), kind=kind)
         m = LiveTrajectory(traj, key, self.toolbox.new_state())
@@ -231,7 +286,7 @@ class TIRRollout:
         return m
 
 
-def check_prompts(prompts: Sequence[PromptItem], cfg: RolloutSection) -> None:
+def check_prompts(prompts: Sequence[PromptItem], cfg: GenerationSettings) -> None:
     if not prompts:
         raise ValueError("rollout() got no prompts")
     groups = [p.group for p in prompts]

@@ -1,0 +1,65 @@
+"""The published training runs the algorithm card compares against: what the reference code does at each paper
+setting (facts with file:line in docs/reference.md).
+
+ARPO: RUC-NLPIR/ARPO commit a95cd08, folder ARPO/ (verl 0.3.1.dev fork `verl_arpo_entropy`).
+AEPO: RUC-NLPIR/ARPO commit 30efc15 ("Fix #42 when dynamic rollout is disabled"), folder AEPO/ (fork
+`verl_aepo_entropy`), read from the public fork wangevan6/ARPO which carries that commit.
+GRPO has no published script in either repository: its reference is verl's GRPO as the ARPO 7B reasoning script
+configures it, with all n samples drawn from the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.core.registry import Registry
+
+ARPO_CODE = "RUC-NLPIR/ARPO@a95cd08"
+AEPO_CODE = "RUC-NLPIR/ARPO@30efc15"
+DOC = "docs/reference.md"
+
+
+@dataclass(frozen=True)
+class ReferenceSetting:
+    """One published training script and the reference code it runs."""
+
+    name: str
+    algorithm: str
+    code: str                    # repository@commit of the code
+    script: str                  # the launch script (and its hydra config)
+    n: int                       # actor_rollout_ref.rollout.n
+    initial_rollouts: int
+    beam_size: int
+    branch_probability: float    # tau
+    entropy_weight: float        # w
+    branch_penalty: float        # AEPO: factor max(0, 1 - 0.05 c); ARPO: none
+    dynamic_rollouts: bool
+    call_limit: int
+    balanced_clip: bool          # actor.enable_entropy_balanced_clipping
+    entropy_advantage_flag: bool  # actor.enable_entropy_balanced_advantage (inert with entropy_coeff = 0)
+    entropy_coeff: float = 0.0
+    kl_loss_coef: float = 0.0    # use_kl_loss=True, kl_loss_type=low_var_kl, coefficient 0
+    clip_ratios: tuple[float, float, float] = (0.2, 0.2, 3.0)
+
+
+REFERENCE_SETTINGS: Registry[ReferenceSetting] = Registry("reference setting", {s.name: s for s in (
+    ReferenceSetting("arpo-qwen2.5-7b-reasoning", "arpo", ARPO_CODE,
+                     "ARPO/scripts/ARPO_7B_Reasoning_1node.sh (config ppo_trainer.yaml)",
+                     16, 8, 2, 0.5, 0.2, 0.0, False, 3, False, False),
+    ReferenceSetting("arpo-qwen3-14b-deepsearch", "arpo", ARPO_CODE,
+                     "ARPO/scripts/ARPO_14b_Deepsearch_1node.sh (config ppo_trainer_dr.yaml)",
+                     12, 6, 2, 0.5, 0.2, 0.0, False, 6, False, False),
+    ReferenceSetting("aepo-qwen3-14b-deepsearch", "aepo", AEPO_CODE,
+                     "AEPO/scripts/AEPO_Qwen3_14B_DeepResearch.sh (config ppo_trainer_dr.yaml)",
+                     12, 6, 2, 0.5, 0.2, 0.05, False, 6, True, True),
+    ReferenceSetting("grpo-qwen2.5-7b-reasoning", "grpo", ARPO_CODE,
+                     "no published GRPO script: ARPO_7B_Reasoning_1node.sh's settings, n samples from the prompt",
+                     16, 16, 1, 0.5, 0.2, 0.0, False, 3, False, False),
+)})
+DEFAULT_FOR_ALGORITHM = {"arpo": "arpo-qwen2.5-7b-reasoning", "aepo": "aepo-qwen3-14b-deepsearch",
+                         "grpo": "grpo-qwen2.5-7b-reasoning"}
+
+
+def reference_for(algorithm: str, name: str | None = None) -> ReferenceSetting:
+    """The setting `name` (rl.reference_setting), else the algorithm's published run."""
+    return REFERENCE_SETTINGS.get(name or DEFAULT_FOR_ALGORITHM[algorithm])
