@@ -163,12 +163,34 @@ def test_jsonl_corpus_with_a_broken_first_line_and_a_folder_for_a_file(tmp_path:
         check_inputs(_parquet_cfg(_parquet(tmp_path / "t.parquet"), **{"data.corpus_path": str(tmp_path)}), ["data"])
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_an_unreadable_file_says_so(tmp_path: Path) -> None:
     path = _parquet(tmp_path / "t.parquet")
     path.chmod(0)
-    with pytest.raises(BadInputError, match="cannot read .* fix its permissions"):
-        check_inputs(_parquet_cfg(path), ["data"])
+    if os.geteuid() != 0:
+        with pytest.raises(BadInputError, match="cannot read .* fix its permissions"):
+            check_inputs(_parquet_cfg(path), ["data"])
+        return
+    # root reads files whatever their mode: check as `nobody`, in a forked child, on a file in a folder it can enter
+    tmp_path.chmod(0o755)
+    for parent in tmp_path.parents:
+        if parent.stat().st_uid == 0 and parent != Path("/"):
+            parent.chmod(parent.stat().st_mode | 0o011)   # traversable (pytest's basetemp is 0700)
+    cfg = _parquet_cfg(path)
+    pid = os.fork()
+    if pid == 0:                                            # the child: no pytest machinery, an exit code only
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            check_inputs(cfg, ["data"])
+            code = 2                                        # read it: the check did not notice
+        except BadInputError as err:
+            code = 0 if "cannot read" in str(err) and "fix its permissions" in str(err) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "as nobody: want 'cannot read ... fix its permissions' (1: " \
+        "another message, 2: no error, 3: something else failed)"
 
 
 def test_model_folder_templates_sft_files_and_executables(tmp_path: Path) -> None:
