@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import pkgutil
 import shutil
 from modulefinder import ModuleFinder
 from pathlib import Path
@@ -13,12 +14,12 @@ from pathlib import Path
 import pytest
 from prefect import Task
 
+import tasks
 from stages.agent.tools import PythonTool, SearchTool
 from stages.core.codeversion import STAGES, CodeIndex, code_text, code_version
 from tasks.common import StageKey
 
 STAGES_DIR = STAGES.package_dir
-TASK_MODULES = ("bootstrap", "data", "sft", "rl", "eval_infer", "eval_score", "heldout")
 ENTRIES = {"bootstrap": "stages.bootstrap.model", "data": "stages.data.prepare", "sft": "stages.sft.stage",
            "rl": "stages.rl.stage", "eval": "stages.eval.inference"}
 
@@ -44,8 +45,8 @@ def test_code_text_cuts_docstrings_after_non_ascii_text() -> None:
 
 def _stage_tasks() -> dict[str, Task]:
     found = {}
-    for name in TASK_MODULES:
-        module = importlib.import_module(f"tasks.{name}")
+    for info in pkgutil.iter_modules(tasks.__path__):     # every task module: a new one is checked without a list
+        module = importlib.import_module(f"tasks.{info.name}")
         for value in vars(module).values():
             if isinstance(value, Task) and isinstance(value.cache_policy, StageKey):
                 found[value.cache_policy.stage] = value
