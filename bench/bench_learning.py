@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: learning.yaml)")
     parser.add_argument("--questions", type=int, default=80, help="held-out questions (test split)")
-    parser.add_argument("--samples", type=int, default=2, help="held-out samples per question")
+    parser.add_argument("--samples", type=int, default=1, help="held-out samples per question")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="held-out sampling temperature: RL's own (1.0) by default; 0 = greedy")
     parser.add_argument("--backend", choices=["vllm", "transformers"], default="vllm" if VLLM_PYTHON.exists()

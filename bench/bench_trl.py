@@ -163,13 +163,13 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg, model, data = setup(args)
     with tempfile.TemporaryDirectory(dir=PROJECT_ROOT / ".cache") as tmp:
-        trl = summary("TRL", run_trl(cfg, model, data, args, Path(tmp)))
+        theirs = summary("TRL", run_trl(cfg, model, data, args, Path(tmp)))
         ours = summary("ours", run_ours(cfg, model, data, Path(tmp)))
-    import trl
+    from importlib.metadata import version
 
-    print(f"TRL {trl.__version__}, transformers {__import__('transformers').__version__}, torch {torch.__version__}")
-    print(f"ratio ours/TRL: step time {ours['step'] / trl['step']:.2f}x, time per completion token "
-          f"{(ours['step'] / ours['tokens']) / (trl['step'] / trl['tokens']):.2f}x "
+    print(f"TRL {version('trl')}, transformers {version('transformers')}, torch {torch.__version__}")
+    print(f"ratio ours/TRL: step time {ours['step'] / theirs['step']:.2f}x, time per completion token "
+          f"{(ours['step'] / ours['tokens']) / (theirs['step'] / theirs['tokens']):.2f}x "
           f"(P={args.prompts} prompts x G={args.group}, {args.max_new} new tokens max, {args.steps} steps)")
 
 

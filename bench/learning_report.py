@@ -79,9 +79,12 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def early_late(rows: list[dict[str, Any]], key: str, k: int = EARLY_LATE) -> tuple[float, float]:
+    """Mean of the first and of the last k steps; in a run shorter than 2k steps, of its halves (the middle step
+    of an odd count in neither), so that "early -> late" never compares a window with itself."""
     values = [float(r[key]) for r in rows if r.get(key) is not None]
     if not values:
         return float("nan"), float("nan")
+    k = min(k, max(1, len(values) // 2))
     return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
 
 

@@ -39,7 +39,7 @@ def test_learning_config_validates_for_every_family_and_algorithm(family: str, a
     prompt = "tir_python_short" if family == "arith" else "tir_search_python_short"
     assert cfg.agent.prompt_template == cfg.data.system_prompt == prompt
     # the same rollout budget whatever the algorithm; the response budget is the family's
-    assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 10 if family == "arith" else 8)
+    assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 6 if family == "arith" else 3)
     assert cfg.rl.rollout.max_response_length == (160 if family == "arith" else 256)
     assert bench.heldout_spec(args, cfg).call_limit == cfg.rl.rollout.call_limit
 
@@ -74,6 +74,10 @@ def test_spread_and_early_late() -> None:
     assert report.spread([0.5, 0.7, 0.6]) == pytest.approx({"mean": 0.6, "min": 0.5, "max": 0.7, "range": 0.2})
     rows = [{"step": i, "r": float(i)} for i in range(1, 8)]   # first 3 mean 2, last 3 mean 6
     assert report.early_late(rows, "r") == (2.0, 6.0)
+    # a 3-step run: step 1 vs step 3 (not the same 3-step window twice); 4 steps: 1-2 vs 3-4; 1 step: itself
+    assert report.early_late(rows[:3], "r") == (1.0, 3.0)
+    assert report.early_late(rows[:4], "r") == (1.5, 3.5)
+    assert report.early_late(rows[:1], "r") == (1.0, 1.0)
 
 
 def _run(algo: str, seed: int, correct: list[float], tools: float, alarms: list | None = None) -> dict:
