@@ -45,3 +45,4 @@ fi
 "$VENV/bin/python" -c "import vllm, vllm.entrypoints.openai.api_server, stages.generation.vllm_backend; \
 print('[setup-vllm] vllm', vllm.__version__, 'imports')"
 rm -f "$VENV"/.arpo-installed-* && touch "$stamp"
+echo "[setup-vllm] $VENV ready in $SECONDS s"

@@ -13,8 +13,10 @@ fi
 if ((${#need_apt[@]})); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] apt-get install ${need_apt[*]}"
+    start=$SECONDS
     (apt-get update -qq || true) >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    echo "[setup] apt-get install: $((SECONDS - start)) s"
   else
     echo "[setup] please install: ${need_apt[*]} (not root). Without bubblewrap the python tool stops with the fix;" \
          "agent.python.sandbox: rlimit opts in to its weaker isolation (docs/agent.md)" >&2
@@ -29,8 +31,10 @@ fi
 stamp=".venv/.arpo-installed-$(sha256sum pyproject.toml | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   echo "[setup] pip install -e '.[test]' (first time: a few minutes, ~7 GB; torch comes from the local wheel cache)"
+  start=$SECONDS
   .venv/bin/pip install --disable-pip-version-check -q -e '.[test]'
   .venv/bin/pip check
+  echo "[setup] .venv: $((SECONDS - start)) s"
   rm -f .venv/.arpo-installed-* && touch "$stamp"
 fi
 

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The test command: install if needed, then the whole default suite (unit + integration on the tiny model).
-# Extra arguments go to pytest (e.g. -m "not slow", -k rollout).
+# The test command: install if needed, then the whole default suite (unit + integration on the tiny model) on two
+# pytest-xdist workers, and where its time went (each set-up step, the 25 slowest tests).
+# Extra arguments go to pytest (e.g. -m "not slow", -k rollout, -n 0 for one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ARPO_WITH_BROWSER=1 ./scripts/setup.sh
+timed() {  # timed <label> <command...>: run it and say how long it took, whether it was a no-op or a real install
+  local start=$SECONDS
+  "${@:2}"
+  echo "[setup] $1: $((SECONDS - start)) s"
+}
+timed "main + vLLM environments (scripts/setup.sh)" env ARPO_WITH_BROWSER=1 ./scripts/setup.sh
 # verl 0.9.1 contract tests run in their own environment (tests/integration/test_verl_contract.py); the verl CPU
 # smoke run (tests/integration/test_verl_cpu_smoke.py) in that environment layered over .venv-vllm (no install)
-./scripts/setup-verl.sh --test
-./scripts/setup-verl.sh --cpu
+timed "verl test environment (setup-verl.sh --test)" ./scripts/setup-verl.sh --test
+timed "verl CPU environment (setup-verl.sh --cpu)" ./scripts/setup-verl.sh --cpu
 # The tiny-model tests need disk: ~4 GB for the session's shared pipeline outputs plus up to ~1.6 GB for the test
 # running (passed tests' folders are removed, pyproject's tmp_path_retention_policy). Say so up front, not as Errno 28.
 tmp_dir=${TMPDIR:-/tmp}
@@ -18,5 +24,7 @@ if (( free_kib < 8 * 1024 * 1024 )); then
 fi
 # lint first (ruff, pinned in the test extra; config in pyproject.toml): well under a second
 .venv/bin/ruff check .
-# `extended` (tests/integration/test_faults.py, ~4 min) is left out to keep CI within its hour: ./scripts/test.sh -m extended
-exec .venv/bin/python -m pytest -m "not gpu and not extended" "$@"
+# Two workers: most tests run one single-threaded process at a time (tiny model, one torch thread), so two lanes
+# use the two cores; tests/conftest.py orders and groups the work (longest modules first, one vLLM server).
+# `extended` (tests/integration/test_faults.py, ~4 min) is left out of the default suite: ./scripts/test.sh -m extended
+exec .venv/bin/python -m pytest -m "not gpu and not extended" -n 2 --dist loadgroup --durations=25 "$@"

@@ -43,9 +43,30 @@ def require_chromium() -> str:
     return str(path)
 
 
+# The default command runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`, scripts/test.sh). Work
+# is handed out a group at a time in collection order, two pending per worker, so the longest modules go first (the
+# two lanes start on different ones) and short groups fill in behind them. A module is one group (its tests share
+# module fixtures and run in order); every module that uses the session's vLLM server is one group, "vllm", so one
+# worker starts that server once and stops it after its last user. Longest first, as measured in CI (README, Tests):
+LONGEST_FIRST = ("test_verl_cpu_smoke.py", "test_pipeline_e2e.py", "test_ui_live.py")
+VLLM_GROUP = "vllm"
+
+
+def _module_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the group marks into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    uses_vllm = {item.path for item in items if "vllm_endpoint" in getattr(item, "fixturenames", ())}
+    # stable sort: the longest modules, then the vLLM group back to back, then the rest in their own order
+    items.sort(key=lambda item: (_module_rank(item), item.path not in uses_vllm))
+    for item in items:
+        group = VLLM_GROUP if item.path in uses_vllm else str(item.path.relative_to(PROJECT_ROOT))
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
@@ -151,6 +172,60 @@ def synthetic_data(tiny_config):
     return prepare_data(tiny_config.data, TEST_OUTPUTS)
 
 
+# A short SFT of the tiny profile (12 teacher trajectories, 6 steps at a rate that still teaches the tool protocol):
+# every test that runs the pipeline past SFT uses these overrides, so one build serves them all (`tiny_chain`).
+TINY_SFT = ["sft.n_trajectories=12", "sft.max_steps=6", "sft.learning_rate=3e-4"]
+
+
+@pytest.fixture(scope="session")
+def tiny_chain(tiny_model, tmp_path_factory) -> Path:
+    """The tiny profile's data and a TINY_SFT policy, built once per test run by `arpo run --until sft` into
+    .cache/test-outputs/chain (both xdist workers may ask at once: the stage folders' locks let one build and the
+    other reuse). A test links them into its own output root (`link_tiny_chain`) and its pipeline run finds the
+    bootstrap, data and SFT folders complete under the same keys, instead of training its own policy."""
+    import subprocess
+    import sys
+
+    chain = TEST_OUTPUTS / "chain"
+    chain.mkdir(parents=True, exist_ok=True)
+    _symlink(chain / "bootstrap", TEST_OUTPUTS / "bootstrap")   # tiny_model's converted folder
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home-chain"))}
+    env.pop("PREFECT_API_URL", None)
+    argv = [sys.executable, "-m", "flows.cli", "run", "-p", "tiny-cpu", "--until", "sft", "--ephemeral",
+            "-o", f"run.output_root={chain}"] + [arg for override in TINY_SFT for arg in ("-o", override)]
+    done = subprocess.run(argv, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return chain
+
+
+def link_tiny_chain(chain: Path, outputs: Path) -> None:
+    """Make `tiny_chain`'s bootstrap, data and SFT folders those of the output root `outputs`."""
+    for stage in ("bootstrap", "data", "sft"):
+        _symlink(outputs / stage, chain / stage)
+
+
+def _symlink(link: Path, target: Path) -> None:
+    try:
+        link.symlink_to(target)
+    except FileExistsError:  # the other worker, or an earlier run on this box, made it
+        if link.resolve() != target.resolve():
+            raise
+
+
 # tests/verl import verl 0.9.1, which lives in its own environment (.venv-verl-test); the main suite runs them
 # through tests/integration/test_verl_contract.py, so they are collected only where verl is importable.
 collect_ignore_glob = [] if importlib.util.find_spec("verl") else ["verl/*"]
+
+
+CI_BUDGET_MIN = 40  # .ci/run, install included, on the 2-core box (CONTRIBUTING.md, Tests)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Under .ci/run: the whole run's wall time so far (install included), against the CI budget."""
+    import time
+
+    start = os.environ.get("ARPO_CI_START")
+    if start and not hasattr(config, "workerinput"):
+        minutes = (time.time() - int(start)) / 60
+        terminalreporter.write_line(f"[ci] {minutes:.1f} min since .ci/run started, install included "
+                                    f"(budget {CI_BUDGET_MIN} min)")

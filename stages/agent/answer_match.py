@@ -6,9 +6,11 @@
   Dataset-specific gold extraction (gsm8k `#### 18`) belongs to the eval loaders.
 - `exact_match`, `f1_score`: max over the golds; F1 follows the HotpotQA/reference rule that a yes/no/noanswer
   on either side scores 0 unless both normalise to the same string (docs/reference.md "Reward").
-- `math_equivalent`: math-verify. math-verify enforces its timeouts with `signal.alarm`, which only works in the
-  main thread; called from any other thread this function disables math-verify's timeouts and instead refuses
-  inputs longer than `MAX_MATH_CHARS` (the pathological cases are huge expressions). Safe from any thread.
+- `math_equivalent`: math-verify, bounded from any thread or process. The answer is pre-screened
+  (`stages.agent.math_screen`: length, nesting, power towers, huge factorials, TeX that does I/O) and then scored
+  in a persistent worker subprocess that is killed and replaced when it overruns (`stages.agent.math_worker`):
+  a hostile answer costs at most the bound and scores as not equal. Verdicts are cached per process (an RL
+  group often repeats one answer). `math_equivalent_local` is the in-process scorer the workers run.
   An escaped dollar `\\$` is a currency sign, not a math delimiter: it is dropped first (as the reference's
   `strip_string` does), so MATH500 golds such as `\\$18.90` can be matched.
 - `unwrap_text`: `\\text{Frank Lowy}` -> `Frank Lowy` (also \\textbf, \\textit, \\textrm, \\mathrm, \\mbox),
@@ -18,15 +20,19 @@
 from __future__ import annotations
 
 import ast
-import math
+import logging
 import re
+import signal
 import string
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-MAX_MATH_CHARS = 1000
+from stages.agent.math_screen import MAX_MATH_CHARS as MAX_MATH_CHARS  # re-exported: callers size inputs by it
+from stages.agent.math_screen import screen_math
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 _SPECIAL = ("yes", "no", "noanswer")
@@ -98,20 +104,39 @@ def f1_score(pred: str | None, golds: Any) -> float:
 _TEXT_MACRO = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mbox)\s*\{")
 
 
+def _brace_pairs(text: str) -> dict[int, int]:
+    """{index of `{`: index of its matching `}`} for every balanced pair, in one pass (unmatched ones left out)."""
+    stack: list[int] = []
+    pairs: dict[int, int] = {}
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            pairs[stack.pop()] = i
+    return pairs
+
+
 def unwrap_text(text: str) -> str:
     """Replace every `\\text{...}` (and the other text macros) by its content, braces balanced, nested ones too:
-    `\\text{Frank Lowy}` -> `Frank Lowy`; `5.4 \\text{ cents}` -> `5.4  cents`. An unclosed group is left as is."""
-    out, pos = [], 0
+    `\\text{Frank Lowy}` -> `Frank Lowy`; `5.4 \\text{ cents}` -> `5.4  cents`. From the first unclosed group on
+    the text is left as is. One pass with a brace table, no recursion: linear in the text however deep the
+    nesting (model-written text may nest thousands of levels)."""
+    pairs = _brace_pairs(text)
+    drop: list[tuple[int, int]] = []  # spans to delete: the macro openers and their closing braces
+    pos = 0
     while (match := _TEXT_MACRO.search(text, pos)) is not None:
-        depth, end = 1, match.end()
-        while end < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            end += 1
-        if depth:
+        close = pairs.get(match.end() - 1)
+        if close is None:
             break
-        out.append(text[pos:match.start()] + unwrap_text(text[match.end():end - 1]))
-        pos = end
-    return "".join(out) + text[pos:]
+        # the content is balanced, so every macro inside it closes inside it too
+        for macro in (match, *_TEXT_MACRO.finditer(text, match.end(), close)):
+            drop += [(macro.start(), macro.end()), (pairs[macro.end() - 1], pairs[macro.end() - 1] + 1)]
+        pos = close + 1
+    out, last = [], 0
+    for begin, stop in sorted(drop):
+        out.append(text[last:begin])
+        last = stop
+    return "".join(out) + text[last:]
 
 
 def _latex(text: str) -> str:
@@ -120,31 +145,86 @@ def _latex(text: str) -> str:
     return text if any(d in text for d in _LATEX_DELIMS) else f"${text}$"
 
 
+def _screened(pred: Any, gold: Any) -> tuple[str, list[str]] | None:
+    """(prediction, golds) when the prediction passes the pre-screen, else None (scores as not equal). Golds
+    the screen refuses are left out: no parse of them could end in time either."""
+    if pred is None or not str(pred).strip() or screen_math(str(pred)) is not None:
+        return None
+    golds = [g for g in parse_gold(gold) if screen_math(g) is None]
+    return (str(pred), golds) if golds else None
+
+
 def math_equivalent(pred: str | None, gold: Any, timeout_s: float = 5.0) -> bool:
     """True when math-verify finds `pred` equal to any gold (`0.5` vs `\\frac{1}{2}` -> True).
 
-    Bare strings are wrapped in `$...$` before parsing (math-verify reads a bare `1+x^2` as `1`). In the main
-    thread math-verify's own signal timeouts apply (`timeout_s`, rounded up to whole seconds); elsewhere they
-    are disabled and inputs over MAX_MATH_CHARS are rejected (False). Parse failures and timeouts are False.
+    Bounded from any thread or process: a screened answer is scored in a worker subprocess that is killed after
+    `timeout_s` + `KILL_GRACE_S` (stages.agent.math_worker); refused, timed-out or crashing answers are False.
+    Bare strings are wrapped in `$...$` before parsing (math-verify reads a bare `1+x^2` as `1`).
     """
-    if pred is None or not str(pred).strip():
+    texts = _screened(pred, gold)
+    if texts is None:
+        return False
+    from stages.agent.math_worker import worker_equivalent
+
+    return worker_equivalent(texts[0], tuple(texts[1]), float(timeout_s))
+
+
+class _Deadline:
+    """`with _Deadline(s):` raises math-verify's TimeoutException after `s` seconds, then every 0.1 s until the
+    block ends (sympy may catch one), when entered on the main thread; elsewhere it does nothing.
+
+    math-verify's own timeouts are `signal.alarm` in whole seconds per parse/verify and cancel any outer alarm,
+    so they are switched off and this one timer bounds the whole answer instead."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = threading.current_thread() is threading.main_thread()
+
+    def __enter__(self) -> _Deadline:
+        if self.armed:
+            from math_verify.errors import TimeoutException
+
+            def expire(signum: int, frame: object) -> None:
+                if self.active:  # a late tick after __exit__ began must not escape the block
+                    raise TimeoutException(f"math-verify ran past {self.seconds:g} s")
+
+            self.active, self.start = True, time.monotonic()
+            self.previous = signal.signal(signal.SIGALRM, expire)
+            # an outer timer (pytest-timeout, a caller's alarm) is put back, less the time spent, on exit
+            self.outer = signal.setitimer(signal.ITIMER_REAL, max(self.seconds, 0.01), 0.1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.armed:
+            self.active = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+            delay, interval = self.outer
+            if delay > 0:
+                signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - self.start), 0.001), interval)
+
+
+def math_equivalent_local(pred: str | None, gold: Any, timeout_s: float = 5.0) -> bool:
+    """math-verify in this process: screened, with a soft time limit on the main thread (`_Deadline`) and none
+    elsewhere. A C-level computation (a huge integer power) does not see the signal: only callers that can kill
+    the process (the scoring workers, the eval pool) should call this directly. Timeouts and errors are False."""
+    texts = _screened(pred, gold)
+    if texts is None:
         return False
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
-    main = threading.current_thread() is threading.main_thread()
-    seconds = max(1, math.ceil(timeout_s)) if main else None
-    texts = [str(pred)] + parse_gold(gold)
-    if not main and any(len(t) > MAX_MATH_CHARS for t in texts):
-        return False
+    # "timeout is disabled" is math-verify's warning about the timeouts _Deadline replaces
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     try:
-        target = parse(_latex(texts[0]), parsing_timeout=seconds)
-        if not target:
-            return False
-        for g in texts[1:]:
-            parsed = parse(_latex(g), parsing_timeout=seconds)
-            if parsed and verify(parsed, target, timeout_seconds=seconds):
-                return True
-    except (TimeoutException, RecursionError, ValueError, TypeError):
+        with _Deadline(timeout_s):
+            target = parse(_latex(texts[0]), parsing_timeout=None)
+            if not target:
+                return False
+            for g in texts[1]:
+                parsed = parse(_latex(g), parsing_timeout=None)
+                if parsed and verify(parsed, target, timeout_seconds=None):
+                    return True
+    except (TimeoutException, RecursionError, ValueError, TypeError, OverflowError, MemoryError):
         return False
     return False

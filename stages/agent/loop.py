@@ -144,6 +144,8 @@ async def run_text_loop(generate: TextGenerator, box: Any, rules: LoopRules, bud
         if step.kind == "done":
             state.finish_reason = "stop" if step.reason in ("eos", "answer") else step.reason
             return
+        if hasattr(tool_state, "transcript"):  # the previous steps, for the browsing summariser's prompt
+            tool_state.transcript = state.output
         result = await box.aexecute(step.call, tool_state)
         state.results.append(result)
         name = step.call.tool

@@ -32,6 +32,7 @@ REPEAT_MESSAGE = "You have searched this query. Please refer to previous results
 
 _RESULT_BLOCK = re.compile(r"<result>.*?(?:</result>|\Z)", re.DOTALL)
 _BOX_OPENERS = ("\\boxed{", "\\fbox{", "\x08oxed{")  # 0x08: the reference data's "\b"oxed quirk
+_BRACE = re.compile(r"[{}]")
 
 
 @dataclass(frozen=True)
@@ -92,20 +93,23 @@ def render_result(text: str) -> str:
     return f" <result>\n{text}\n</result>"
 
 
-def _boxed_contents(text: str, openers: tuple[str, ...] = _BOX_OPENERS) -> list[str]:
-    """Contents of every complete `\\boxed{…}` (balanced braces) in order; unbalanced ones are skipped."""
-    found: list[tuple[int, str]] = []
-    for opener in openers:
-        start = text.find(opener)
-        while start >= 0:
-            depth, i = 1, start + len(opener)
-            while i < len(text) and depth:
-                depth += {"{": 1, "}": -1}.get(text[i], 0)
-                i += 1
-            if depth == 0:
-                found.append((start, text[start + len(opener): i - 1]))
-            start = text.find(opener, start + 1)
-    return [content for _, content in sorted(found)]
+def _last_boxed(text: str, openers: tuple[str, ...] = _BOX_OPENERS) -> str | None:
+    """Content of the last complete `\\boxed{…}` (balanced braces; the one that opens last), or None.
+
+    One pass over the braces with a stack (each `{` is matched to its `}` once) that slices only the answer, so
+    thousands of unclosed or nested `\\boxed{` in model output cost linear time and memory."""
+    last: tuple[int, int, int] | None = None  # (opener start, content start, content end)
+    stack: list[tuple[int, int]] = []  # (index of the `{`, start of its opener or -1 for a plain brace)
+    for brace in _BRACE.finditer(text):
+        i = brace.start()
+        if text[i] == "{":
+            opener = next((op for op in openers if i + 1 >= len(op) and text.startswith(op, i + 1 - len(op))), None)
+            stack.append((i, -1 if opener is None else i + 1 - len(opener)))
+        elif stack:
+            start, box = stack.pop()
+            if box >= 0 and (last is None or box > last[0]):
+                last = (box, start + 1, i)
+    return None if last is None else text[last[1]:last[2]]
 
 
 def _answer_span(text: str) -> str | None:
@@ -129,16 +133,16 @@ def extract_answer(text: str) -> str | None:
     """
     span = _answer_span(text)
     if span is not None:
-        boxes = _boxed_contents(span)
-        if boxes:
-            return boxes[-1].strip()
+        box = _last_boxed(span)
+        if box is not None:
+            return box.strip()
         span = span.strip()
         if span:
             return span
     if span is None:
-        boxes = _boxed_contents(_RESULT_BLOCK.sub("", text))
-        if boxes:
-            return boxes[-1].strip()
+        box = _last_boxed(_RESULT_BLOCK.sub("", text))
+        if box is not None:
+            return box.strip()
     return None
 
 
@@ -177,7 +181,7 @@ def check_format(response: str) -> FormatCheck:
     start, end = response.find("<answer>"), response.find("</answer>")
     if start > end:
         return FormatCheck(False, "<answer> must be before </answer>")
-    if not _boxed_contents(response[start:end], ("\\boxed{",)):
+    if _last_boxed(response[start:end], ("\\boxed{",)) is None:
         return FormatCheck(False, "answer is missing \\boxed{} format")
     return FormatCheck(True, "format is correct")
 
@@ -185,4 +189,16 @@ def check_format(response: str) -> FormatCheck:
 def count_tool_calls(response: str) -> dict[str, int]:
     """Complete `<tool>…</tool>` pairs per tool, ignoring anything inside `<result>` blocks."""
     text = _RESULT_BLOCK.sub("", response)
-    return {tool: len(re.findall(rf"<{tool}>.*?</{tool}>", text, re.DOTALL)) for tool in tool_names()}
+    return {tool: _count_pairs(text, f"<{tool}>", f"</{tool}>") for tool in tool_names()}
+
+
+def _count_pairs(text: str, opening: str, closing: str) -> int:
+    """Non-overlapping `opening…closing` pairs, leftmost first (what a lazy regex finds), in one pass: a regex
+    would rescan to the end from every unclosed opening tag."""
+    count, pos = 0, 0
+    while (start := text.find(opening, pos)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            break  # no later opening tag can close either
+        count, pos = count + 1, end + len(closing)
+    return count

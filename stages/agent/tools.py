@@ -51,9 +51,11 @@ class CallState:
     rejected: int = 0
     seen_queries: set[str] = field(default_factory=set)
     scratch: dict[str, int] = field(default_factory=dict)
+    transcript: str = ""  # the trajectory's text so far, where a driver sets it (the browsing summariser reads it)
 
     def copy(self) -> CallState:
-        return CallState(dict(self.counts), self.total, self.rejected, set(self.seen_queries), dict(self.scratch))
+        return CallState(dict(self.counts), self.total, self.rejected, set(self.seen_queries), dict(self.scratch),
+                         self.transcript)
 
 
 @dataclass(frozen=True)
@@ -145,11 +147,16 @@ class SearchTool(Tool):
     section = "search"
     argument = "query"
 
-    def __init__(self, cfg: AgentSection, env: ToolEnv, backend: Any = None) -> None:
+    def __init__(self, cfg: AgentSection, env: ToolEnv, backend: Any = None, browser: Any = None) -> None:
         from stages.agent.search import build_search
 
         super().__init__(cfg, env)
         self.backend = backend or build_search(cfg.search, env.corpus_path, env.cache_root)
+        self.browser = browser
+        if browser is None and cfg.search.browse.enabled:
+            from stages.agent.search.browse import Browser
+
+            self.browser = Browser(cfg.search, env.cache_root)
 
     def prepare(self, argument: str) -> str:
         from stages.agent.search import normalize_query
@@ -163,26 +170,43 @@ class SearchTool(Tool):
         """This class's code and the code of the backend that answers (its module and what that imports), not the
         other backends: a change in the local index code keeps paid web results."""
         s = self.cfg.search
-        return hash_value(class_code_version(type(self), (type(self.backend).__module__,)), s.top_k,
-                          s.max_chars_per_passage)
+        if self.browser is None:
+            return hash_value(class_code_version(type(self), (type(self.backend).__module__,)), s.top_k,
+                              s.max_chars_per_passage)
+        browsing = (type(self.backend).__module__, "stages.agent.search.browse", "stages.agent.search.summarize")
+        return hash_value(class_code_version(type(self), browsing), s.max_chars_per_passage,
+                          s.browse.model_dump(), s.summarizer.model_dump(exclude={"url", "api_key_env", "timeout_s"}))
 
     def backend_id(self) -> str:
-        return f"{self.backend.name}:{self.backend.corpus_id}"
+        found = f"{self.backend.name}:{self.backend.corpus_id}"
+        return found if self.browser is None else f"{found}|{self.browser.identity}"
 
     def run(self, argument: str, state: CallState) -> ToolOutput:
         from stages.agent.search import SearchError, SearchMiss, format_passages
 
         s = self.cfg.search
         try:
-            passages = self.backend.search(argument, s.top_k)
+            passages = self.backend.search(argument, s.browse.top_k if self.browser else s.top_k)
         except SearchMiss as miss:  # the recorded answers do not cover this query: retrying cannot change that
             return ToolOutput(MISS_MESSAGE, False, {"miss": True, "error": str(miss)}, MODEL)
         except SearchError as err:  # provider or server failed after the backend's retries
             return ToolOutput(SEARCH_FAILED, False, {"error": str(err)}, INFRA)
-        return ToolOutput(format_passages(passages, s.max_chars_per_passage), True, {"ids": [p.id for p in passages]})
+        if self.browser is None or not passages:
+            return ToolOutput(format_passages(passages, s.max_chars_per_passage), True,
+                              {"ids": [p.id for p in passages]})
+        from stages.agent.search.summarize import steps_from_output
+
+        out = self.browser.browse(argument, passages, steps_from_output(state.transcript))
+        return ToolOutput(out.text, out.ok, out.meta, None if out.ok else (INFRA if out.infra else MODEL))
+
+    def cacheable(self, output: ToolOutput) -> bool:
+        """A browsed result with a page that failed for a network reason is not kept: the next call refetches."""
+        return output.ok and not output.meta.get("pages_transient")
 
     def close(self) -> None:
         self.backend.close()
+        if self.browser is not None:
+            self.browser.close()
 
 
 @register_tool("python")

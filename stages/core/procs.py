@@ -10,7 +10,10 @@ answers, end the whole group.
 - `wait_ready` polls a readiness check (e.g. `healthy(url)`, httpx) and fails fast, with the log's tail, when the
   process exits or the deadline passes.
 - `kill_group` ends a group (SIGTERM, then SIGKILL after a grace period) and waits until no member is left
-  (`group_members`, psutil: zombies do not count).
+  (`group_members`, psutil: zombies do not count). `stop_group` first asks the leader alone (SIGTERM) and gives it
+  the grace period to shut its children down itself, then kills what is left: a vLLM server whose engine process
+  gets SIGTERM at the same moment as its API server logs the engine's death (`EngineDeadError`) as an ERROR; told
+  alone, the API server stops its engine and exits cleanly. The supervisor passes the signal on the same way.
 """
 
 from __future__ import annotations
@@ -97,6 +100,21 @@ def kill_group(pgid: int, grace_s: float = 10.0, proc: subprocess.Popen | None =
             pass
 
 
+def stop_group(pgid: int, grace_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM the group's leader alone, wait up to `grace_s` for the whole group to exit by itself, then
+    `kill_group` whatever is left (module doc)."""
+    try:
+        os.kill(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        if proc is not None:
+            proc.poll()
+        time.sleep(0.05)
+    kill_group(pgid, min(grace_s, 5.0), proc)
+
+
 def healthy(url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
     """GET `url` answers 200."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -153,12 +171,21 @@ def supervise(parent_pid: int, cmd: list[str], grace_s: float = 10.0) -> int:
     child = subprocess.Popen(cmd)
     while child.poll() is None:
         if stopping or os.getppid() != parent_pid:
+            # the command first (it stops its own children cleanly), then whatever of the group is left
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            os.killpg(os.getpgrp(), signal.SIGTERM)
+            child.send_signal(signal.SIGTERM)
             try:
-                return child.wait(timeout=grace_s)
+                return_code = child.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                os.killpg(os.getpgrp(), signal.SIGKILL)
+                return_code = None
+            deadline = time.monotonic() + min(grace_s, 5.0)
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL ends this supervisor too
+                if return_code is not None and group_members(os.getpgrp()) == [os.getpid()]:
+                    return return_code
+                os.killpg(os.getpgrp(), sig)
+                while len(group_members(os.getpgrp())) > 1 and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                return_code = child.poll()
         time.sleep(POLL_S)
     return child.returncode
 

@@ -2,15 +2,20 @@
 
 Used by the tool-result cache (stages/agent/cache.py) and the judge's verdicts (stages/eval/judge.py). WAL journal
 and a busy timeout make concurrent writers from several processes safe; a write is one `INSERT OR REPLACE`
-transaction. Values are JSON stored as UTF-8 with `surrogatepass`, so every Python string comes back exactly (a
-lone surrogate a model wrote included; JSON's \\u escapes would join a high and a low surrogate into one
-character). `note` is a column for people reading the file. Hit/miss/write counters are per instance.
+transaction. WAL needs every process on one host (its index is shared memory; sqlite.org/wal.html: "WAL does not
+work over a network filesystem"), so on a network filesystem (`network_filesystem`, read from /proc/mounts) the
+store uses the rollback journal (`journal_mode = DELETE`) instead. Values are JSON stored as UTF-8 with
+`surrogatepass`, so every Python string comes back exactly (a lone surrogate a model wrote included; JSON's \\u
+escapes would join a high and a low surrogate into one character). `note` is a column for people reading the
+file. Hit/miss/write counters are per instance.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import sqlite3
 import threading
 import time
@@ -30,8 +35,46 @@ def _readable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+MOUNTS = "/proc/mounts"
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "ocfs2",
+    "gfs2", "fuse.glusterfs", "fuse.sshfs", "fuse.juicefs", "fuse.s3fs", "fuse.gcsfuse", "fuse.cephfs",
+    "fuse.weka", "wekafs", "fuse.rclone"})
+
+
+def _unescape(field: str) -> str:
+    """/proc/mounts writes space, tab, newline and backslash in paths as octal escapes (\\040 ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem_type(path: str | Path, mounts: str | Path = MOUNTS) -> str | None:
+    """The type of the filesystem holding `path` (which need not exist yet): the mount with the longest mount
+    point above its real path; None when `mounts` cannot be read (not Linux)."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(path), -1, None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = _unescape(fields[1])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), fields[2]
+    return kind
+
+
+def network_filesystem(path: str | Path, mounts: str | Path = MOUNTS) -> str | None:
+    """The filesystem type when `path` is on a network (shared) filesystem, else None."""
+    kind = filesystem_type(path, mounts)
+    return kind if kind in NETWORK_FILESYSTEMS else None
+
+
 class SQLiteStore:
-    def __init__(self, path: str | Path, table: str, busy_timeout_s: float = 60.0) -> None:
+    def __init__(self, path: str | Path, table: str, busy_timeout_s: float = 60.0, mounts: str | Path = MOUNTS) \
+            -> None:
         if not table.isidentifier():
             raise ValueError(f"table name {table!r} must be an identifier")
         self.path, self.table = Path(path), table
@@ -40,7 +83,9 @@ class SQLiteStore:
         self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, check_same_thread=False,
                                      isolation_level=None)
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-        self._conn.execute("PRAGMA journal_mode = WAL")
+        self.shared_fs = network_filesystem(self.path.parent, mounts)
+        self.journal_mode = "DELETE" if self.shared_fs else "WAL"
+        self._conn.execute(f"PRAGMA journal_mode = {self.journal_mode}")
         self._conn.execute("PRAGMA synchronous = NORMAL")
         self._conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
                            "note TEXT NOT NULL, created REAL NOT NULL)")
@@ -62,6 +107,12 @@ class SQLiteStore:
             self._conn.execute(f"INSERT OR REPLACE INTO {self.table} (key, value, note, created) VALUES (?, ?, ?, ?)",
                                (key, payload, _readable(note), time.time()))
             self.writes += 1
+
+    def check_writable(self) -> None:
+        """Raise sqlite3.Error unless this process can take the file's write lock (writes nothing)."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute("ROLLBACK")
 
     def __len__(self) -> int:
         with self._lock:

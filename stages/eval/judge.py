@@ -37,7 +37,6 @@ JUDGE_PROMPT = (
 )
 PROMPT_HASH = hashlib.sha256(JUDGE_PROMPT.encode()).hexdigest()[:16]
 NEGATIONS = ("incorrect", "wrong", "not correct")
-_JUDGMENT = re.compile(r"<judgment>(.*?)</judgment>", re.S | re.I)
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.S | re.I)
 
 
@@ -46,11 +45,22 @@ def format_prompt(question: str, golds: tuple[str, ...] | list[str], prediction:
     return JUDGE_PROMPT.format(question=question, gold=gold, prediction=prediction)
 
 
+def _last_judgment(lower: str) -> str | None:
+    """The last `<judgment>...</judgment>` span of a lower-cased reply (non-overlapping, leftmost first, as a
+    lazy regex finds them), in one pass: a regex would rescan to the end from every unclosed `<judgment>`."""
+    last, pos = None, 0
+    while (start := lower.find("<judgment>", pos)) >= 0:
+        end = lower.find("</judgment>", start + len("<judgment>"))
+        if end < 0:
+            break  # no later opener can close either
+        last, pos = lower[start + len("<judgment>"):end], end + len("</judgment>")
+    return last
+
+
 def reply_says_correct(reply: str) -> bool:
-    """The reference's parse rule on the judge's reply alone (see the module docstring)."""
-    spans = _JUDGMENT.findall(reply)
-    text = spans[-1] if spans else _THINK.sub(" ", reply)
-    text = text.lower()
+    """The reference's parse rule on the judge's reply alone (see the module docstring); linear in the reply."""
+    span = _last_judgment(reply.lower())
+    text = span if span is not None else _THINK.sub(" ", reply).lower()
     return "correct" in text and not any(word in text for word in NEGATIONS)
 
 

@@ -2,8 +2,9 @@
 
 - QA: `em`, `f1` (SQuAD normalisation, max over list golds: stages.agent.answer_match) and `acc` (cover match: a
   normalised gold occurs inside the normalised prediction, the reference's `acc`).
-- Math: `math_equal` with math-verify, run in a **process pool**: math-verify enforces its timeouts with
-  `signal.alarm`, which only works in a main thread, and a pool worker runs each task in its main thread.
+- Math: `math_equal` with math-verify, run in a **process pool** (`MathVerifier`): each task runs
+  `answer_match.math_equivalent_local` (pre-screened, soft time limit) on a pool worker's main thread, and a
+  task that overruns its hard limit has the pool killed and restarted (docs/eval.md "Bounded scoring").
 - `effective_prediction`: the reference scores the last 5 lines of the output when no answer was extracted; an
   extracted answer has its `\\text{...}` unwrapped first (the reference's extraction does that for a boxed
   `\\text{}`), so `\\boxed{\\text{Frank Lowy}}` scores as `Frank Lowy`.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from stages.agent.answer_match import (
     exact_match,
     f1_score,
-    math_equivalent,
+    math_equivalent_local,
     normalize_answer,
     unwrap_text,
 )
@@ -76,7 +77,8 @@ def tool_productivity(final_acc: float, mean_tool_calls: float) -> float:
 
 
 def _math_worker(prediction: str, golds: tuple[str, ...], timeout_s: float) -> bool:
-    return math_equivalent(prediction, list(golds), timeout_s=timeout_s)
+    # in-process: this already is a killable pool process (math_equivalent would start a worker of its own)
+    return math_equivalent_local(prediction, list(golds), timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,9 @@ class MathResult:
 class MathVerifier:
     """math-verify in a pool of spawned processes; a hung item is cut off and scored False with an error.
 
-    `with MathVerifier(workers=2) as mv: mv.check([(pred, golds), ...])`. An item gets math-verify's own
-    timeouts (one parse per text, one verify per gold) plus `slack_s`; past that its pool is killed and
-    restarted for the items after it, so one pathological expression cannot stall the rest.
+    `with MathVerifier(workers=2) as mv: mv.check([(pred, golds), ...])`. An item gets `timeout_s` (the soft
+    limit inside the worker) per text it parses plus `slack_s` (the pool's start-up); past that its pool is
+    killed and restarted for the items after it, so one pathological expression cannot stall the rest.
     `worker` (a module-level function, it is pickled by name) exists for tests.
     """
 

@@ -29,7 +29,7 @@ from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
 from stages.core.fingerprint import hash_file, hash_value
 from stages.core.log import get_logger
-from stages.core.procs import NotReady, free_port, healthy, kill_group, launch, wait_ready
+from stages.core.procs import NotReady, free_port, healthy, kill_group, launch, stop_group, wait_ready
 from stages.core.refs import EndpointRef, ModelRef
 from stages.core.registry import Registry
 from stages.eval.vllm_cmd import ServeError, resolve_vllm, vllm_command, vllm_env
@@ -55,7 +55,7 @@ def stop_server(endpoint: EndpointRef | None, grace_s: float | None = None) -> N
         return
     pgid = int(endpoint.meta["pgid"])
     grace = float(endpoint.meta.get("stop_grace_s", 10.0) if grace_s is None else grace_s)
-    kill_group(pgid, grace, _LIVE.pop(pgid, None))
+    stop_group(pgid, grace, _LIVE.pop(pgid, None))  # the server stops its engine itself: no EngineDeadError
     log.info("stopped %s server %s (process group %d)", endpoint.meta.get("backend"), endpoint.url, pgid)
 
 
@@ -71,7 +71,7 @@ def serving(cfg: ServeSection, model: ModelRef, log_dir: str | Path) -> Iterator
 
 def _stop_all() -> None:
     for pgid, proc in list(_LIVE.items()):
-        kill_group(pgid, 5.0, proc)
+        stop_group(pgid, 5.0, proc)
         _LIVE.pop(pgid, None)
 
 

@@ -16,6 +16,9 @@ thresholds in `rl.alarms` (AlarmSection), and returns an `Alarm` for that step o
 - infra_failures: at least `infra_share` of the step's trajectories were touched by a tool infrastructure
   failure (the search provider, retrieval server or sandbox failed a call) and left out of the loss: the step
   trained on fewer samples than configured, and an outage may be under way (upstream ARPO issue #49).
+- trees_dropped (verl engine): at least `trees_dropped_share` of the step's trees raised in the agent-loop worker
+  and were dropped whole (`rollout/trees_dropped`); the message splits them into infrastructure failures
+  (`rollout/trees_dropped_infra`: sandbox, search, server, network) and the rest (`rollout/trees_dropped_other`).
 
 `AlarmWatch` applies them after each step: flags `alarm/<name>` in the row, logs a warning, appends to
 `alarms.jsonl`, reports an event and the `rl-alarms` markdown through stages.core.reporter, and raises
@@ -138,11 +141,26 @@ def infra_failures(history: list[Row], rules: AlarmSection) -> str | None:
             f"(>= {rules.infra_share:.0%})")
 
 
+def trees_dropped(history: list[Row], rules: AlarmSection) -> str | None:
+    row = history[-1]
+    dropped = row.get("rollout/trees_dropped")
+    if not dropped:
+        return None
+    total = dropped + row.get("rollout/trees_trained", 0.0)
+    share = dropped / total
+    if share < rules.trees_dropped_share:
+        return None
+    infra = row.get("rollout/trees_dropped_infra", 0.0)
+    return (f"{dropped:.0f} of {total:.0f} trees ({share:.0%}) failed and were dropped "
+            f"(>= {rules.trees_dropped_share:.0%}): {infra:.0f} on the infrastructure (sandbox, search provider, "
+            f"LLM server, network), {dropped - infra:.0f} other (see verl.log for the tracebacks)")
+
+
 CHECKS: dict[str, Callable[[list[Row], AlarmSection], str | None]] = {
     "tool_collapse": tool_collapse, "entropy_collapse": entropy_collapse,
     "format_errors_rising": format_errors_rising, "reward_at_floor": reward_at_floor,
     "no_signal_groups": no_signal_groups, "reward_collapse": reward_collapse, "nonfinite_loss": nonfinite_loss,
-    "infra_failures": infra_failures}
+    "infra_failures": infra_failures, "trees_dropped": trees_dropped}
 
 
 DEFAULT_RULES = AlarmSection()

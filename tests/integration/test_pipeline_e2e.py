@@ -4,7 +4,12 @@ refreshing `eval` recomputes infer/score/report only; changing an RL setting rec
 The three runs that infer serve the policy with vLLM (about a minute each to start on the CPU box).
 
 One module-scoped server + worker with their own PREFECT_HOME and result store, and outputs in a temp folder,
-so the first run really computes everything.
+so the first run really computes everything after SFT (data and SFT are the session's `tiny_chain`, found complete
+under the same keys: SFT training through the pipeline is `tiny_chain`'s own `arpo run --until sft`).
+
+Over 5 minutes, because it is four real pipeline runs on 2 cores: two RL trainings, two merges, the held-out
+evaluation of three policies, three vLLM server starts (about a minute each) and their inference. Each run is a
+different path (first run, cached rerun, refreshed stage, changed setting); none can be left out.
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ from pathlib import Path
 import pytest
 
 from stages.core.env import PROJECT_ROOT
-from tests.conftest import require_chromium
+from tests.conftest import TINY_SFT, link_tiny_chain, require_chromium
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 EVAL = {"infer", "score", "report"}
 # The tiny chain with shorter budgets: this test is about deployment, caching and reruns, and the four runs must fit
-# CI's 2 cores next to the rest of the suite. The README's main command runs the full tiny profile.
-SHORTER = ["sft.n_trajectories=12", "sft.max_steps=6", "rl.trainer.total_steps=1", "rl.rollout.max_response_length=128",
+# CI's 2 cores next to the rest of the suite. The README's main command runs the full tiny profile. SFT is the
+# session's shared one (tests/conftest.py, tiny_chain): the first run finds its folder complete.
+SHORTER = [*TINY_SFT, "rl.trainer.total_steps=1", "rl.rollout.max_response_length=128",
+           "eval.stage_gains.max_questions=2", "eval.stage_gains.max_response_length=64",
            "eval.max_questions=2", "eval.max_tokens=128", "eval.max_total_tokens=384"]
 
 
@@ -37,9 +44,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory: pytest.TempPathFactory):
+def deployed(tmp_path_factory: pytest.TempPathFactory, tiny_chain: Path):
     home = tmp_path_factory.mktemp("prefect-home")
     outputs = tmp_path_factory.mktemp("outputs")
+    link_tiny_chain(tiny_chain, outputs)
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
            "PREFECT_LOCAL_STORAGE_PATH": str(home / "storage"), "PREFECT_MEMO_STORE_PATH": str(home / "memo.toml")}

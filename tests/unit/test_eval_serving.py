@@ -16,7 +16,7 @@ import pytest
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection, VLLMSection
 from stages.core.env import PROJECT_ROOT
-from stages.core.procs import free_port, group_members, kill_group, launch
+from stages.core.procs import free_port, group_members, kill_group, launch, stop_group
 from stages.core.refs import EndpointRef, ModelRef
 from stages.eval.serving import planned_endpoint, planned_judge, start_judge, start_server, stop_server
 from stages.eval.vllm_cmd import ServeError, resolve_executable, resolve_vllm, vllm_command, vllm_env
@@ -92,6 +92,31 @@ def test_kill_group_ends_the_server_and_its_children(tmp_path: Path) -> None:
     assert group_members(proc.pid) == []
     assert proc.returncode is not None                      # reaped, not a zombie
     assert (tmp_path / "x.log").read_text().startswith("$ ")  # the command line heads the captured log
+
+
+def test_stop_group_lets_the_command_stop_its_own_children(tmp_path: Path) -> None:
+    """As vLLM's API server stops its engine process: the command, told alone, ends its child with SIGUSR1 and
+    exits. The child must hear that, not a SIGTERM sent to the whole group (which is what made the engine die
+    under the API server and log EngineDeadError)."""
+    heard = tmp_path / "heard"
+    child = (f"import signal, time; p = {str(heard)!r}\n"
+             "def on(sig, frame):\n"
+             "    open(p, 'w').write(signal.Signals(sig).name); raise SystemExit(0)\n"
+             "signal.signal(signal.SIGTERM, on); signal.signal(signal.SIGUSR1, on); open(p + '.ready', 'w')\n"
+             "time.sleep(300)")
+    leader = (f"import signal, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              "def on(sig, frame):\n"
+              "    c.send_signal(signal.SIGUSR1); c.wait(); raise SystemExit(0)\n"
+              "signal.signal(signal.SIGTERM, on); time.sleep(300)")
+    proc = launch([sys.executable, "-c", leader], tmp_path / "x.log")
+    deadline = time.monotonic() + 30
+    while not Path(f"{heard}.ready").exists() and time.monotonic() < deadline:  # the child's handlers are set
+        time.sleep(0.05)
+    time.sleep(0.2)  # and the leader's, set right after it started the child
+    stop_group(proc.pid, grace_s=10, proc=proc)
+    assert group_members(proc.pid) == []
+    assert heard.read_text() == "SIGUSR1"                   # stopped by its parent, never by a group-wide SIGTERM
+    assert proc.returncode == 0                             # the supervisor passed on the command's clean exit
 
 
 def test_supervisor_kills_the_group_when_the_pipeline_dies_by_sigkill(tmp_path: Path) -> None:

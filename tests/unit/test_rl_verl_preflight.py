@@ -55,26 +55,34 @@ def test_mapping_runs_every_algorithm_in_arpo_sync_with_plugin_modules_first():
 
 
 def test_ray_cpu_reservation_is_checked_before_ray_waits_forever():
-    # one node, 8 GPUs, verl's 8 storage units: controller 1 + storage 8 + trainer 3 x 8 = 33
+    # one node, 8 GPUs, verl's 8 storage units: reserved = controller 1 + storage 8 + trainer 3 x 8 = 33;
+    # unreserved actors (each placed only where a CPU is free): 8 vLLM servers (TP 1) + 8 agent + 8 reward = 24
     paper = VerlSection()
     assert cpu_demand(paper) == {"transfer_queue_controller": 1, "transfer_queue_storage": 8, "trainer": 24,
-                                 "total": 33}
-    with pytest.raises(VerlResourceError, match=r"rl\.verl\.ray_num_cpus=33") as refused:
-        check_ray_cpus(paper, [32.0])
+                                 "reserved": 33, "headroom": 24, "total": 57}
+    with pytest.raises(VerlResourceError, match=r"rl\.verl\.ray_num_cpus=57") as refused:
+        check_ray_cpus(paper, [56.0])
     assert isinstance(refused.value, DeterministicError) and "storage_units=1" in str(refused.value)
-    assert check_ray_cpus(paper, [33.0])["need"]["total"] == 33
-    # the CPU box: 1 unit, 1 "GPU": 1 + 1 + 3 = 5 > its 2 cores
-    tiny = VerlSection(n_gpus_per_node=1, storage_units=1)
-    with pytest.raises(VerlResourceError, match=r"ray_num_cpus=5"):
+    assert "24 free for the actors it starts without a reservation" in str(refused.value)
+    # exactly the reservations (the old suggested fix) leaves no CPU to place the vLLM / agent / reward actors
+    with pytest.raises(VerlResourceError, match="57"):
+        check_ray_cpus(paper, [33.0])
+    assert check_ray_cpus(paper, [57.0])["need"]["total"] == 57
+    # the CPU box (tiny-cpu): 1 unit, 1 "GPU": 1 + 1 + 3 = 5 reserved, + 1 vLLM + 1 agent + 1 reward = 8 > 2 cores
+    tiny = VerlSection(n_gpus_per_node=1, storage_units=1, agent_workers=1, reward_workers=1)
+    with pytest.raises(VerlResourceError, match=r"ray_num_cpus=8"):
         check_ray_cpus(tiny, [2.0])
+    assert check_ray_cpus(tiny, [8.0])["unreserved_actors"] == {"vllm_servers": 1, "agent_loop_workers": 1,
+                                                                "reward_workers": 1}
     # a joined cluster: the fix is on the nodes' side
-    with pytest.raises(VerlResourceError, match=r"ray start --num-cpus=5"):
-        check_ray_cpus(tiny.model_copy(update={"ray_address": "auto"}), [4.0])
-    # two nodes share the 8 units (4 each): 1 + 4 + 24 = 29 on the busiest; both nodes must have them
-    two = VerlSection(nnodes=2)
-    assert cpu_demand(two)["total"] == 29
-    with pytest.raises(VerlResourceError, match="29"):
-        check_ray_cpus(two, [64.0, 28.0])
+    with pytest.raises(VerlResourceError, match=r"ray start --num-cpus=8"):
+        check_ray_cpus(tiny.model_copy(update={"ray_address": "auto"}), [7.0])
+    # two nodes share the 8 units (4 each) and the 8 + 8 workers (4 + 4 each); TP 2 = 4 servers a node:
+    # 1 + 4 + 24 + (4 + 4 + 4) = 41 on the busiest; both nodes must have them
+    two = VerlSection(nnodes=2, rollout_tensor_parallel=2)
+    assert cpu_demand(two)["total"] == 41
+    with pytest.raises(VerlResourceError, match="41"):
+        check_ray_cpus(two, [64.0, 40.0])
     with pytest.raises(VerlResourceError, match="2 node"):
         check_ray_cpus(VerlSection(nnodes=3), [64.0, 64.0])
 
@@ -124,7 +132,8 @@ def test_only_whole_trees_reach_the_advantage_and_padding_rows_get_zero():
         whole_trees([u for u, r in zip(uids, range(8)) if r != 3 and not padding[r]],
                     [e for e, r in zip(extras, range(8)) if r != 3 and not padding[r]], 3)
     # the step of 3 prompts in which one tree failed and was removed: 2 trained, 1 dropped
-    assert tree_metrics(2, 3) == {"rollout/trees_trained": 2.0, "rollout/trees_dropped": 1.0}
+    assert tree_metrics(2, 3) == {"rollout/trees_trained": 2.0, "rollout/trees_dropped": 1.0,
+                                  "rollout/trees_dropped_infra": 0.0, "rollout/trees_dropped_other": 1.0}
 
 
 def test_processes_an_earlier_attempt_left_behind_are_found_and_killed(tmp_path):

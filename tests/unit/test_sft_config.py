@@ -39,7 +39,7 @@ def test_tiny_profile_runs_on_cpu_without_mixed_precision() -> None:
                                  "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
                                  "cutoff_len", "template")} == {
         "bf16": False, "fp16": False, "report_to": "none", "preprocessing_num_workers": 1,
-        "dataloader_num_workers": 0, "max_steps": 24, "per_device_train_batch_size": 2,
+        "dataloader_num_workers": 0, "max_steps": 12, "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 1, "cutoff_len": 1024, "template": "smollm2"}
     assert "deepspeed" not in args and "resume_from_checkpoint" not in args and "tokenized_path" not in args
 

@@ -50,7 +50,7 @@ def _server(cfg: SearchSection, corpus_path: str | None, cache_root: str) -> Sea
 def _web(cfg: SearchSection, corpus_path: str | None, cache_root: str) -> SearchBackend:
     from stages.agent.search.web import WebBackend
 
-    return WebBackend(cfg.web)
+    return WebBackend(cfg.web, cache_root)
 
 
 @SEARCH_BACKENDS.register("replay")

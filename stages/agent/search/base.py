@@ -27,6 +27,8 @@ class Passage:
     id: str
     contents: str
     score: float | None = None
+    title: str = ""   # a web result's title and page address (what browsing fetches); empty for corpus passages
+    url: str = ""
 
 
 def normalize_query(query: str) -> str:

@@ -1,4 +1,6 @@
 """`replay` search: answers from a recorded `{query: formatted_result}` JSON (e.g. ../shared/data/search_cache.json).
+A value may instead be a list of `{"url", "title", "snippet"}` results: those keep their page addresses, so
+browsing (agent.search.browse, with a recorded page set) runs offline too.
 
 Queries and keys are matched after `normalize_query` and case-folding, so `search query: Who …` finds `Who …`.
 A query that was never recorded raises SearchMiss: replay never invents a result.
@@ -19,6 +21,10 @@ from stages.agent.search.base import (
 from stages.core.fingerprint import hash_file
 
 
+def _is_results(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(r, dict) for r in value)
+
+
 def replay_key(query: str) -> str:
     return normalize_query(query).casefold()
 
@@ -35,9 +41,10 @@ class ReplayBackend(SearchBackend):
             raw = json.loads(self.path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ValueError(f"{self.path}: not valid JSON ({err.msg} at line {err.lineno})") from err
-        if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
-            raise ValueError(f"{self.path}: expected one JSON object mapping query strings to result strings")
-        self.results: dict[str, str] = {}
+        if not isinstance(raw, dict) or not all(isinstance(v, str) or _is_results(v) for v in raw.values()):
+            raise ValueError(f"{self.path}: expected one JSON object mapping query strings to result strings (or to "
+                             "lists of {\"url\", \"title\", \"snippet\"} objects)")
+        self.results: dict[str, str | list[dict]] = {}
         for query, result in raw.items():
             self.results.setdefault(replay_key(query), result)
         self.corpus_id = f"replay:{hash_file(self.path)[:16]}"
@@ -46,7 +53,11 @@ class ReplayBackend(SearchBackend):
         key = replay_key(query)
         if key not in self.results:
             raise SearchMiss(f"no recorded search result for {normalize_query(query)!r} in {self.path}")
-        return parse_formatted(self.results[key])[:top_k]
+        found = self.results[key]
+        if isinstance(found, str):
+            return parse_formatted(found)[:top_k]
+        return [Passage(str(r.get("url") or f"page-{i}"), str(r.get("snippet", "")), title=str(r.get("title", "")),
+                        url=str(r.get("url", ""))) for i, r in enumerate(found[:top_k], start=1)]
 
     def __len__(self) -> int:
         return len(self.results)

@@ -4,13 +4,17 @@ Request: `POST {endpoint}` with `Authorization: Bearer <key>` and `{"zone", "url
 brd_json=1>, "format": "raw"}`; the answer is the SERP as JSON, whose `organic[].description` snippets become
 passages (stripped, de-duplicated, in order). The key comes from the environment variable `api_key_env`, which
 the pipeline's tasks fill from the Prefect Secret block `secret_block` when it is unset (tasks/secrets.py);
-never from a file in the repository. Requests are rate limited
-and retried with exponential backoff on network errors, HTTP 429 and 5xx.
+never from a file in the repository. Requests are rate limited and retried with exponential backoff on network
+errors, HTTP 429 and 5xx. The rate limit (`requests_per_second`) is one limit for every process that shares
+`cache_root` (e.g. all agent-loop workers of a verl run on a host): `rate_limit_path` names its file
+(stages/core/ratelimit.py); without a `cache_root` it is per process.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from urllib.parse import urlencode
 
 import httpx
@@ -18,6 +22,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from stages.agent.search.base import Passage, RateLimiter, SearchBackend, SearchError
 from stages.core.config.agent import WebSearchSection
+from stages.core.ratelimit import SharedRateLimiter
 
 
 class _Retryable(Exception):
@@ -54,19 +59,27 @@ def parse_serp(body: dict, top_k: int) -> list[Passage]:
         text = str(item.get("description") or "").strip()
         if text and text not in seen:
             seen.add(text)
-            passages.append(Passage(str(item.get("link") or item.get("url") or len(passages)), text))
+            link = str(item.get("link") or item.get("url") or "")
+            passages.append(Passage(link or str(len(passages)), text, title=str(item.get("title") or ""), url=link))
         if len(passages) >= top_k:
             break
     return passages
 
 
+def rate_limit_path(cfg: WebSearchSection, cache_root: str | Path) -> Path:
+    """The file of the provider's shared rate limit (one per provider and zone under the cache root)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"web-{cfg.provider}-{cfg.zone}")
+    return Path(cache_root) / "rate-limits" / f"{name}.slot"
+
+
 class WebBackend(SearchBackend):
     name = "web"
 
-    def __init__(self, cfg: WebSearchSection) -> None:
+    def __init__(self, cfg: WebSearchSection, cache_root: str | Path | None = None) -> None:
         self.cfg = cfg
         self._key = resolve_api_key(cfg)
-        self._limiter = RateLimiter(cfg.requests_per_second)
+        self._limiter = RateLimiter(cfg.requests_per_second) if cache_root is None else \
+            SharedRateLimiter(rate_limit_path(cfg, cache_root), cfg.requests_per_second)
         self._client = httpx.Client(timeout=cfg.timeout_s)
         self.corpus_id = f"web:{cfg.provider}:{cfg.market}:{cfg.country}"
         self.requests = 0

@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from stages.core.config.browse import BrowseSection, SummarizerSection
 from stages.core.config.section import Section, registry, used_when
 from stages.core.inputs import input_file
 
@@ -72,6 +73,8 @@ class SearchSection(Section):
     replay_path: str | None = Field(None, description="{query: result} JSON (backend=replay)",
                                     json_schema_extra={**used_when(backend="replay"), **input_file("json_object")})
     web: WebSearchSection = WebSearchSection()
+    browse: BrowseSection = BrowseSection()
+    summarizer: SummarizerSection = SummarizerSection()
 
     @model_validator(mode="after")
     def _backend_needs(self) -> SearchSection:
@@ -80,6 +83,15 @@ class SearchSection(Section):
         if self.backend == "replay" and not self.replay_path:
             raise ValueError("agent.search.backend=replay needs agent.search.replay_path (a {query: result} JSON such "
                              "as ../shared/data/search_cache.json)")
+        if self.browse.enabled and self.browse.mode == "replay" and not self.browse.replay_path:
+            raise ValueError("agent.search.browse.mode=replay needs agent.search.browse.replay_path (a {url: text} "
+                             "JSON of recorded pages)")
+        if self.summarizer.model and not self.browse.enabled:
+            raise ValueError("agent.search.summarizer.model is set but agent.search.browse.enabled is false: the "
+                             "summariser reads browsed pages; enable browsing or unset the summariser")
+        if self.summarizer.model and not self.summarizer.url:
+            raise ValueError("agent.search.summarizer.model needs agent.search.summarizer.url (an OpenAI-compatible "
+                             "…/v1 URL serving that model): the pipeline does not serve the summariser itself yet")
         return self
 
 

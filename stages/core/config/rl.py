@@ -127,7 +127,7 @@ class OptimSection(Section):
 
 
 AlarmName = Literal["tool_collapse", "entropy_collapse", "format_errors_rising", "reward_at_floor",
-                   "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures"]
+                   "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures", "trees_dropped"]
 
 
 class AlarmSection(Section):
@@ -157,6 +157,9 @@ class AlarmSection(Section):
     infra_share: float = Field(0.2, ge=0, le=1, description="infra_failures: at least this share of a step's "
                                "trajectories was touched by a tool infrastructure failure (search provider, "
                                "retrieval server, sandbox) and left out of the loss")
+    trees_dropped_share: float = Field(0.1, ge=0, le=1, description="trees_dropped (verl engine): at least this "
+                                       "share of a step's trees raised and were dropped whole (rollout/"
+                                       "trees_dropped; the infra-caused ones counted apart)")
 
 
 class TrainerSection(Section):

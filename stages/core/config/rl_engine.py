@@ -46,8 +46,9 @@ class VerlSection(Section):
     ray_address: str | None = Field(None, description="join this Ray cluster (e.g. auto); None = start one")
     ray_num_cpus: int | None = Field(
         None, ge=1, description="logical CPUs of the Ray cluster verl starts (ray_init.num_cpus; Ray does not pin "
-        "cores, so this may exceed the cores). None = the machine's cores. The pre-flight refuses a cluster that "
-        "cannot hold TransferQueue's and the trainer's CPU reservations (stages/rl/verl/resources.py)")
+        "cores, so this may exceed the cores). None = what Ray counts here (the container's cgroup CPU quota, else the "
+        "machine's cores). The pre-flight refuses a cluster that cannot hold TransferQueue's and the trainer's CPU "
+        "reservations plus one free CPU per actor verl starts without one (stages/rl/verl/resources.py)")
     storage_units: int = Field(8, ge=1, description="TransferQueue SimpleStorage units (verl's default 8); each "
                                "reserves one Ray CPU for the whole run")
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(

@@ -139,7 +139,12 @@ def step_advantages(cfg: AdvantageSection, token_rewards_BT: torch.Tensor, mask_
     return adv, trees
 
 
-def tree_metrics(trees: int, expected: int) -> dict[str, float]:
+def tree_metrics(trees: int, expected: int, infra: int = 0) -> dict[str, float]:
     """`rollout/trees_trained`, and `rollout/trees_dropped`: prompts of the step whose tree failed (removed whole by
-    the agent-loop worker; verl's sync sampler still counts them in the batch, so they are missing rows)."""
-    return {"rollout/trees_trained": float(trees), "rollout/trees_dropped": float(max(0, expected - trees))}
+    the agent-loop worker; verl's sync sampler still counts them in the batch, so they are missing rows), split
+    into `rollout/trees_dropped_infra` (`infra` of them failed on the environment: stages/rl/verl/failures.py) and
+    `rollout/trees_dropped_other`."""
+    dropped = max(0, expected - trees)
+    by_infra = min(max(0, infra), dropped)
+    return {"rollout/trees_trained": float(trees), "rollout/trees_dropped": float(dropped),
+            "rollout/trees_dropped_infra": float(by_infra), "rollout/trees_dropped_other": float(dropped - by_infra)}

