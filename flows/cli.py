@@ -150,6 +150,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from stages.core.inputs import check_inputs
 
     check_inputs(cfg, plan.run)  # and on missing, unreadable or malformed input files
+    from stages.sft.seam_preflight import preflight_seams
+
+    preflight_seams(cfg, plan.run)  # and where SFT, RL and eval would tokenize differently (docs/seams.md)
+    from stages.cost.memory import check_memory
+
+    check_memory(cfg, plan.run)  # and on a verl run whose memory estimate exceeds the GPU (docs/plan.md)
     if plan.runs("infer") and cfg.eval.enabled:
         from stages.eval.benchmarks import check_benchmarks
 

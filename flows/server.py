@@ -79,8 +79,27 @@ def start_ephemeral_server() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    _own_database()
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer(port=port)
     server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")))
     return server.api_url
+
+
+def _own_database() -> None:
+    """The temporary server gets an SQLite database of its own (stages.core.env.ephemeral_database_env), removed
+    at exit after the server stops (atexit runs last-registered first; the server registers its stop later)."""
+    import atexit
+    import shutil
+
+    from stages.core.env import ephemeral_database_dir, ephemeral_database_env, prune_ephemeral_databases
+
+    home = os.environ.get("PREFECT_HOME", ".prefect")
+    prune_ephemeral_databases(home)
+    database = ephemeral_database_env(home, os.getpid())
+    if database:
+        folder = ephemeral_database_dir(home, os.getpid())
+        folder.mkdir(parents=True, exist_ok=True)
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ.update(database)

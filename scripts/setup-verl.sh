@@ -62,7 +62,8 @@ fi
 start=$(date +%s)
 [[ -x "$venv/bin/python" ]] || "$PY" -m venv "$venv"
 echo "[setup-verl] $venv: pip install -r $req (first time: a few minutes)"
-"$venv/bin/pip" install --disable-pip-version-check -q -r "$req"
+quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }  # pip's noise about this box's local indexes
+quiet "$venv/bin/pip" install --disable-pip-version-check -q -r "$req"
 # verl's GPU image may be Python 3.12 while pyproject says <3.12 (the main venv's LLaMA-Factory pins): the stages
 # that run here do not depend on that bound.
 "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --no-warn-conflicts --ignore-requires-python -e .

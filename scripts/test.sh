@@ -27,4 +27,4 @@ fi
 # Two workers: most tests run one single-threaded process at a time (tiny model, one torch thread), so two lanes
 # use the two cores; tests/conftest.py orders and groups the work (longest modules first, one vLLM server).
 # `extended` (tests/integration/test_faults.py, ~4 min) is left out of the default suite: ./scripts/test.sh -m extended
-exec .venv/bin/python -m pytest -m "not gpu and not extended" -n 2 --dist loadgroup --durations=25 "$@"
+exec .venv/bin/python -m pytest -m "not gpu and not extended" -n 2 --durations=25 "$@"

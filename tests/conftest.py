@@ -43,13 +43,35 @@ def require_chromium() -> str:
     return str(path)
 
 
-# The default command runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`, scripts/test.sh). Work
-# is handed out a group at a time in collection order, two pending per worker, so the longest modules go first (the
-# two lanes start on different ones) and short groups fill in behind them. A module is one group (its tests share
-# module fixtures and run in order); every module that uses the session's vLLM server is one group, "vllm", so one
-# worker starts that server once and stops it after its last user. Longest first, as measured in CI (README, Tests):
+# The default command runs the suite on two pytest-xdist workers (`-n 2`, scripts/test.sh). Work is handed out a
+# group at a time in collection order, two pending per worker, so the longest modules go first (the two lanes start
+# on different ones) and short groups fill in behind them. A group is one module (its tests share module fixtures
+# and run in order), except that every module using the session's vLLM server is one group, so one worker starts
+# that server once and stops it after its last user. The scheduler sees only test ids, hence the list of vLLM
+# modules, which collection checks against the fixture each module really uses.
+# Longest first, as measured in CI (README, Tests):
 LONGEST_FIRST = ("test_verl_cpu_smoke.py", "test_pipeline_e2e.py", "test_ui_live.py")
+VLLM_MODULES = ("tests/integration/test_eval_infer.py", "tests/integration/test_eval_inference_tools.py",
+                "tests/integration/test_eval_score.py", "tests/integration/test_eval_server.py",
+                "tests/integration/test_eval_vllm_parity.py")
 VLLM_GROUP = "vllm"
+
+
+def work_group(nodeid: str) -> str:
+    """The unit of work one xdist worker takes whole: a module, or the vLLM group."""
+    module = nodeid.split("::", 1)[0]
+    return VLLM_GROUP if module in VLLM_MODULES else module
+
+
+if importlib.util.find_spec("xdist"):  # a hook pytest does not know without xdist would be refused (.venv-verl-test)
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ModuleAndServerScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return work_group(nodeid)
+
+        return ModuleAndServerScheduling(config, log)
 
 
 def _module_rank(item: pytest.Item) -> int:
@@ -57,16 +79,15 @@ def _module_rank(item: pytest.Item) -> int:
     return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the group marks into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    uses_vllm = {item.path for item in items if "vllm_endpoint" in getattr(item, "fixturenames", ())}
+    unlisted = {item.nodeid.split("::", 1)[0] for item in items
+                if "vllm_endpoint" in getattr(item, "fixturenames", ())} - set(VLLM_MODULES)
+    if unlisted:  # else its worker would start a second vLLM server beside the group's
+        raise pytest.UsageError(f"{sorted(unlisted)} use vllm_endpoint: add them to VLLM_MODULES in tests/conftest.py")
     # stable sort: the longest modules, then the vLLM group back to back, then the rest in their own order
-    items.sort(key=lambda item: (_module_rank(item), item.path not in uses_vllm))
-    for item in items:
-        group = VLLM_GROUP if item.path in uses_vllm else str(item.path.relative_to(PROJECT_ROOT))
-        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: (_module_rank(item), work_group(item.nodeid) != VLLM_GROUP))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")

@@ -72,3 +72,49 @@ def free_cpu_threads() -> int:
     except OSError:
         load = 0.0
     return max(1, min(cores, round(cores - load)))
+
+
+DATABASE_URL_KEYS = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+
+
+def ephemeral_database_env(prefect_home: str | Path, pid: int, environ: dict[str, str] | None = None
+                           ) -> dict[str, str]:
+    """The database variables of a run's temporary Prefect server: an SQLite file of its own under
+    `<PREFECT_HOME>/ephemeral/<pid>/`, not the `<PREFECT_HOME>/prefect.db` that `arpo server` serves from. Two
+    servers writing one SQLite file end a run with "sqlite3.OperationalError: database is locked" (docs/caching.md,
+    "The ephemeral server's database"). Only the run history moves: the result store
+    (PREFECT_RESULTS_LOCAL_STORAGE_PATH) and the stage folders stay where they are, so a cached rerun still hits.
+    A database the user configured that is not SQLite (PostgreSQL takes many writers) is kept: returns {}."""
+    environ = os.environ if environ is None else environ
+    configured = next((environ[key] for key in DATABASE_URL_KEYS if environ.get(key)), "")
+    if configured and not configured.startswith("sqlite"):
+        return {}
+    url = f"sqlite+aiosqlite:///{ephemeral_database_dir(prefect_home, pid) / 'prefect.db'}"
+    return dict.fromkeys(DATABASE_URL_KEYS, url)
+
+
+def ephemeral_database_dir(prefect_home: str | Path, pid: int) -> Path:
+    return Path(prefect_home).resolve() / "ephemeral" / str(pid)
+
+
+def prune_ephemeral_databases(prefect_home: str | Path) -> list[Path]:
+    """Remove `<PREFECT_HOME>/ephemeral/<pid>/` folders whose process is gone (a run killed before its exit hook
+    removed its own); returns them."""
+    import shutil
+
+    removed = []
+    for folder in sorted((Path(prefect_home) / "ephemeral").glob("*")):
+        if folder.name.isdigit() and not _alive(int(folder.name)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

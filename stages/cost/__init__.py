@@ -1,7 +1,8 @@
 """`arpo plan`: what a run will cost before it starts (docs/plan.md).
 
     est = plan_run(cfg)                 # from the config, the data, and a measured short run when one exists
-    print(render_markdown(est))         # per step and per run, each line with its basis and stated error
+    print(render_markdown(est))         # per step and per run, each line with its basis and stated error;
+                                        # and the verl engine's peak memory per GPU by phase (stages/cost/memory.py)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from stages.core.config import RunConfig
 from stages.cost.basis import Measured, find_measured, read_measured, step_identity
 from stages.cost.estimate import Estimate, Line, estimate
 from stages.cost.inputs import eval_questions, train_rows
+from stages.cost.memory import MemoryEstimate, memory_estimate
 
 BASIS_TEXT = {"exact": "exact", "bound": "upper bound", "measured": "measured", "given": "given", "unknown": "unknown"}
 
@@ -23,8 +25,10 @@ def measured_run(cfg: RunConfig) -> Measured | None:
 
 
 def plan_run(cfg: RunConfig, measured: Measured | None = None) -> Estimate:
-    return estimate(cfg, train_rows(cfg), measured if measured is not None else measured_run(cfg),
-                    eval_questions(cfg))
+    est = estimate(cfg, train_rows(cfg), measured if measured is not None else measured_run(cfg),
+                   eval_questions(cfg))
+    est.memory = memory_estimate(cfg)
+    return est
 
 
 def _number(value: float | None) -> str:
@@ -46,8 +50,21 @@ def render_markdown(est: Estimate) -> str:
              for line in est.lines]
     title = (f"## Plan: profile {est.profile}, {est.steps if est.steps is not None else '?'} RL steps "
              f"over {est.train_rows if est.train_rows is not None else '?'} prompts")
-    return "\n".join([title, "", *rows, "", "Assumptions:", *[f"- {a}" for a in est.assumptions], ""])
+    out = [title, "", *rows, "", "Assumptions:", *[f"- {a}" for a in est.assumptions], ""]
+    return "\n".join(out + (render_memory(est.memory) if est.memory else []))
 
 
-__all__ = ["Estimate", "Line", "Measured", "estimate", "measured_run", "plan_run", "read_measured", "render_markdown",
-           "step_identity"]
+def render_memory(mem: MemoryEstimate) -> list[str]:
+    """The memory model's table: peak GiB per GPU of each phase against the device, its parts and its fix."""
+    rows = [f"## Memory per GPU ({mem.model}, {mem.gpus} GPU(s) of {mem.device_gib:g} GiB: cost.gpu_memory_gib)", "",
+            "| phase | peak GiB | fits | parts (GiB) | worst micro-batch | if it does not fit |",
+            "|---|---|---|---|---|---|"]
+    for p in mem.phases:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in p.parts.items())
+        rows.append(f"| {p.name} | {p.gib:.1f} | {'yes' if p.gib <= mem.device_gib else '**no**'} | {parts} | "
+                    f"{p.micro_batch or '-'} | {p.fix} |")
+    return rows + ["", "Memory assumptions:", *[f"- {n}" for n in mem.notes], ""]
+
+
+__all__ = ["Estimate", "Line", "Measured", "MemoryEstimate", "estimate", "measured_run", "memory_estimate",
+           "plan_run", "read_measured", "render_markdown", "step_identity"]

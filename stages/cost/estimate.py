@@ -36,6 +36,7 @@ class Estimate:
     measured: str | None
     lines: list[Line] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
+    memory: Any = None          # stages.cost.memory.MemoryEstimate (verl engine), set by plan_run
 
     def line(self, what: str) -> Line:
         return next(line for line in self.lines if line.what == what)
@@ -43,7 +44,7 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {"profile": self.profile, "steps": self.steps, "train_rows": self.train_rows,
                 "measured": self.measured, "lines": [vars(line) for line in self.lines],
-                "assumptions": self.assumptions}
+                "assumptions": self.assumptions, "memory": self.memory.to_json() if self.memory else None}
 
 
 def run_steps(cfg: RunConfig, train_rows: int | None) -> int | None:

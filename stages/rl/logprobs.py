@@ -81,32 +81,78 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Collated:
     return Collated(input_ids, attention, positions, input_ids[:, P:].clone(), valid, mask * valid, P)
 
 
-CHUNK = 256  # positions per float32 softmax when no gradient is needed (bounds the B*chunk*V temporaries)
+CHUNK = 256  # tokens (rows x positions) per float32 chunk: each full-vocabulary temporary is 256 x V x 4 bytes
+            # (156 MB at Qwen's 151,936), whatever the batch
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, with_entropy: bool
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits)[target] and the full-vocabulary entropy / ln|V| per position (float32).
 
-    Without autograd the positions are processed in chunks, so the float32 copies stay small at long lengths."""
-    if not torch.is_grad_enabled() and logits_BTV.shape[1] > CHUNK:
-        parts = [_token_logprobs(logits_BTV[:, i:i + CHUNK], targets_BT[:, i:i + CHUNK], with_entropy)
-                 for i in range(0, logits_BTV.shape[1], CHUNK)]
-        return (torch.cat([p[0] for p in parts], dim=1),
-                torch.cat([p[1] for p in parts], dim=1) if with_entropy else None)
-    return _token_logprobs(logits_BTV, targets_BT, with_entropy)
+    Computed in chunks of positions, with and without autograd (`ChunkedLogprobs`): beside the logits themselves
+    (and, in backward, their gradient) no tensor of tokens x vocabulary is ever held."""
+    logp_BT, entropy_BT = ChunkedLogprobs.apply(logits_BTV, targets_BT, with_entropy)
+    return logp_BT, entropy_BT if with_entropy else None
+
+
+def _positions(logits_BTV: torch.Tensor) -> int:
+    return max(1, CHUNK // max(1, logits_BTV.shape[0]))
 
 
 def _token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, with_entropy: bool
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unchunked formula (float32 copies of the whole [B, T, V]): the reference the chunked one is tested on."""
     logits_BTV = logits_BTV.float()
     lse_BT = torch.logsumexp(logits_BTV, dim=-1)
     logp_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1) - lse_BT
     if not with_entropy:
         return logp_BT, None
     probs_BTV = torch.softmax(logits_BTV, dim=-1)
-    entropy_BT = (lse_BT - (probs_BTV * logits_BTV).sum(-1)) / math.log(logits_BTV.shape[-1])
-    return logp_BT, entropy_BT
+    return logp_BT, (lse_BT - (probs_BTV * logits_BTV).sum(-1)) / math.log(logits_BTV.shape[-1])
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """Per-position log p(target) and entropy / ln|V| from logits [B, T, V], chunk by chunk over positions.
+
+    Forward keeps only the per-position logsumexp (and entropy) for backward; backward recomputes each chunk's
+    softmax p and writes d/dx = g_logp (onehot(target) - p) - g_H / ln|V| * p (log p + H), the derivative of
+    log p_y = x_y - lse and of H = -sum p log p (dH/dx_j = -p_j (log p_j + H))."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV: torch.Tensor, targets_BT: torch.Tensor, with_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, V = logits_BTV.shape
+        step = _positions(logits_BTV)
+        lse_BT = logits_BTV.new_empty((B, T), dtype=torch.float32)
+        logp_BT = torch.empty_like(lse_BT)
+        entropy_BT = torch.zeros_like(lse_BT)
+        for i in range(0, T, step):
+            x = logits_BTV[:, i:i + step].float()
+            lse = torch.logsumexp(x, dim=-1)
+            lse_BT[:, i:i + step] = lse
+            logp_BT[:, i:i + step] = x.gather(-1, targets_BT[:, i:i + step].unsqueeze(-1)).squeeze(-1) - lse
+            if with_entropy:
+                entropy_BT[:, i:i + step] = (lse - (torch.softmax(x, dim=-1) * x).sum(-1)) / math.log(V)
+        ctx.with_entropy = with_entropy
+        ctx.save_for_backward(logits_BTV, targets_BT, lse_BT, entropy_BT)
+        return logp_BT, entropy_BT
+
+    @staticmethod
+    def backward(ctx, g_logp_BT: torch.Tensor, g_entropy_BT: torch.Tensor | None):  # type: ignore[override]
+        logits_BTV, targets_BT, lse_BT, entropy_BT = ctx.saved_tensors
+        B, T, V = logits_BTV.shape
+        step, log_v = _positions(logits_BTV), math.log(V)
+        grad_BTV = torch.empty_like(logits_BTV)
+        for i in range(0, T, step):
+            logp = logits_BTV[:, i:i + step].float() - lse_BT[:, i:i + step, None]
+            p = logp.exp()
+            g = p * -g_logp_BT[:, i:i + step, None]
+            g.scatter_add_(-1, targets_BT[:, i:i + step, None], g_logp_BT[:, i:i + step, None])
+            if ctx.with_entropy and g_entropy_BT is not None:
+                h = entropy_BT[:, i:i + step, None] * log_v
+                g -= (g_entropy_BT[:, i:i + step, None] / log_v) * p * (logp + h)
+            grad_BTV[:, i:i + step] = g
+        return grad_BTV, None, None
 
 
 def policy_forward(model: torch.nn.Module, batch: Collated, temperature: float = 1.0,

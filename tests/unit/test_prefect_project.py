@@ -86,3 +86,52 @@ def test_flow_parameters_offer_choices():
         pipeline.validate_parameters({"profile": "tiny-cpuu"})
     with pytest.raises(Exception, match="should match pattern"):
         pipeline.validate_parameters({"overrides": ["rl.rollout.n 8"]})
+
+
+def test_an_ephemeral_run_has_a_database_of_its_own(no_server, monkeypatch, tmp_path):
+    # `arpo run --ephemeral` beside a running `arpo server`: both SQLite servers on <PREFECT_HOME>/prefect.db ended
+    # the run with "database is locked" (issue 31). The run's temporary server gets <PREFECT_HOME>/ephemeral/<pid>/;
+    # the result store (what a cached rerun reads) stays where it is.
+    import subprocess as sp
+
+    from prefect.settings import Settings
+
+    from stages.core.env import DATABASE_URL_KEYS
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    for key in DATABASE_URL_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    server = Settings()  # what `arpo server start` (a process without the run's variables) serves from
+    assert server.server.database.connection_url.get_secret_value() == f"sqlite+aiosqlite:///{tmp_path}/prefect.db"
+    dead = sp.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                  check=True).stdout.strip()
+    (tmp_path / "ephemeral" / dead).mkdir(parents=True)  # left by a killed run: pruned
+
+    seen = {}
+
+    class FakeServer:  # records what the server subprocess would inherit, starts nothing
+        def __init__(self, port):
+            self.api_url = f"http://127.0.0.1:{port}/api"
+
+        def start(self, timeout):
+            seen.update(os.environ)
+
+    monkeypatch.setattr("prefect.server.api.server.SubprocessASGIServer", FakeServer)
+    cli.start_ephemeral_server()
+    run = Settings()
+    own = f"sqlite+aiosqlite:///{tmp_path}/ephemeral/{os.getpid()}/prefect.db"
+    assert run.server.database.connection_url.get_secret_value() == own != f"sqlite+aiosqlite:///{tmp_path}/prefect.db"
+    assert all(seen[key] == own for key in DATABASE_URL_KEYS)
+    assert (tmp_path / "ephemeral" / str(os.getpid())).is_dir() and not (tmp_path / "ephemeral" / dead).exists()
+    assert run.results.local_storage_path == server.results.local_storage_path and run.home == server.home
+
+
+def test_a_postgres_database_is_kept_for_an_ephemeral_run(tmp_path):
+    from stages.core.env import DATABASE_URL_KEYS, ephemeral_database_env
+
+    pg = {"PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://u:p@db/prefect"}
+    assert ephemeral_database_env(tmp_path, 7, pg) == {}  # many writers are fine there
+    lite = {"PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path}/mine.db"}
+    assert set(ephemeral_database_env(tmp_path, 7, lite).values()) == {
+        f"sqlite+aiosqlite:///{tmp_path.resolve()}/ephemeral/7/prefect.db"}
+    assert set(ephemeral_database_env(tmp_path, 7, {})) == set(DATABASE_URL_KEYS)

@@ -1,0 +1,70 @@
+"""The architectures the shipped profiles train, as their published config.json files state them (docs/plan.md
+"Memory": the source of each row), and the parameter count they imply.
+
+Only what the memory model reads: widths, depths, heads, vocabulary (the logits' width is config.json's
+`vocab_size`, which may exceed the tokenizer's), tied embeddings, q/k/v biases (Qwen2) or q/k norms (Qwen3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int              # hidden_size
+    layers: int              # num_hidden_layers
+    intermediate: int        # intermediate_size (SwiGLU: gate, up, down)
+    heads: int               # num_attention_heads
+    kv_heads: int            # num_key_value_heads
+    vocab: int               # vocab_size: the width of the logits
+    head_dim: int = 0        # head_dim (0: hidden // heads)
+    tied: bool = False       # tie_word_embeddings
+    qkv_bias: bool = False   # Qwen2: q/k/v projections have biases
+    qk_norm: bool = False    # Qwen3: RMSNorm over q and k per head
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.dim
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer: attention (q, k, v, o), SwiGLU MLP (3 matrices), two RMSNorms."""
+        h, q, kv = self.hidden, self.heads * self.dim, self.kv_width
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * self.dim if self.qk_norm
+                                                                                     else 0)
+        return attn + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """What sits outside the decoder layers: embedding, final norm, and the LM head unless tied."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+
+# name (lower case, "-instruct" dropped) -> config.json (docs/plan.md "Memory" links each file)
+ARCHS: dict[str, Arch] = {
+    "qwen2.5-7b": Arch(hidden=3584, layers=28, intermediate=18944, heads=28, kv_heads=4, vocab=152064,
+                       qkv_bias=True),
+    "qwen3-14b": Arch(hidden=5120, layers=40, intermediate=17408, heads=40, kv_heads=8, vocab=151936, head_dim=128,
+                      qk_norm=True),
+    "smollm2-135m": Arch(hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, vocab=49152, tied=True),
+}
+
+
+def arch_for(*names: str | None) -> tuple[str, Arch] | None:
+    """The table's entry for a model name or hub path ('Qwen/Qwen3-14B', 'Qwen2.5-7B-Instruct'); None if absent."""
+    for name in names:
+        if not name:
+            continue
+        key = name.rstrip("/").split("/")[-1].lower().removesuffix("-instruct")
+        if key in ARCHS:
+            return key, ARCHS[key]
+    return None
