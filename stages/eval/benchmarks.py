@@ -1,12 +1,13 @@
 """Benchmark registry and loaders: one `BenchmarkSpec` per benchmark, one `load_benchmark` for all of them.
 
 A spec says where the file lives under `eval.data_root` (the reference layout `<dir>/test.jsonl`), which field
-holds the question and the answer, how the gold answer is parsed (a gold parser registered by name), the task
-type (math | qa; `mixed` = per-row `kind`, our generated set), the default cap (math 500, QA 200, HLE 500 as in
-the Tool-Star README, SimpleQA 500 as ARPO's `COUNTS=500`; smaller files are read whole), the headline metric
-the papers report for it, its own system prompt where the reference used one (xbench: Chinese) and the search
-backend the reference used. A hub dataset id is the documented fallback when the local file is absent; offline it
-fails with a message naming every file tried and the hub id.
+holds the question and the answer, how the gold answer is parsed (a gold parser registered by name), the task type
+(math | qa; `mixed` = per-row `kind`, our generated set), the default cap (math 500, QA 200, HLE 500 as in the
+Tool-Star README, SimpleQA 500 as ARPO's `COUNTS=500`; smaller files are read whole), the headline metric the
+papers report for it, its own system prompt where the reference used one (xbench: Chinese), the search backend the
+reference used and, when it browses, the variant of the browsing tool the reference used for it (xbench: the
+Chinese one, `browse.language: zh`). A hub dataset id is the documented fallback when the local file is absent;
+offline it fails with a message naming every file tried and the hub id.
 
 Every loaded benchmark carries a content hash over exactly the items that were loaded (after the cap), so
 each result row can name the data it was computed on.
@@ -72,6 +73,7 @@ class BenchmarkSpec:
     headline: str = "llm_equal"  # HEADLINES: the metric the papers report (f1 for the knowledge-QA sets)
     prompt_template: str | None = None  # the reference's own system prompt for it (xbench: Chinese), else the run's
     search_backend: str = "web"  # agent.search.backend the reference used for it
+    browse_language: str | None = None  # the reference's browsing-tool variant for it (xbench: zh), else the run's
     meta_fields: tuple[str, ...] = ()
     language: str = "en"
     hub: HubSource | None = None
@@ -152,7 +154,7 @@ _SPECS = [
     BenchmarkSpec("simpleqa", "qa", "deepsearch", ("SimpleQA/test.jsonl", "simpleqa/test.jsonl"), "question", 500,
                   hub=HubSource("basicv8vc/SimpleQA", "test", "problem", "answer")),
     BenchmarkSpec("xbench", "qa", "deepsearch", ("xbench/test.jsonl",), "question", 200, language="zh",
-                  prompt_template="tir_search_python_zh"),
+                  prompt_template="tir_search_python_zh", browse_language="zh"),
     BenchmarkSpec("synthetic", "mixed", "generated", (), "question", 200, id_field="id", gold="plain",
                   search_backend="local", meta_fields=("kind",)),
 ]

@@ -33,6 +33,7 @@ from stages.core.reporter import track
 from stages.core.workspace import stage_dir
 from stages.eval.agent_loop import LoopSettings, SampleState, run_sample
 from stages.eval.rows import PredictionRow
+from stages.eval.search_mode import benchmark_search, check_summarizer, search_mode
 
 log = get_logger(__name__)
 
@@ -62,6 +63,13 @@ def eval_agent(cfg: EvalSection, agent: AgentSection) -> AgentSection:
     return agent.model_copy(update={"limits": limits})
 
 
+def benchmark_agent(cfg: EvalSection, agent: AgentSection, benchmark: str) -> AgentSection:
+    """The agent as this benchmark runs it: the evaluation's limits and the benchmark's search (browsing where
+    eval.browse names it, in its own language variant; stages/eval/search_mode.py)."""
+    evaluated = eval_agent(cfg, agent)
+    return evaluated.model_copy(update={"search": benchmark_search(cfg, evaluated.search, benchmark)})
+
+
 def benchmark_template(cfg: EvalSection, agent: AgentSection, benchmark: str) -> str:
     """The system prompt template this benchmark runs with (its own, e.g. xbench's Chinese one, or the run's)."""
     from stages.eval.benchmarks import get_spec, prompt_template_for
@@ -78,8 +86,8 @@ def inference_key(cfg: EvalSection, agent: AgentSection, benchmark: str, content
 
     corpus = agent.search.corpus_path or (data.fingerprint if "corpus" in data.files else None)
     template = benchmark_template(cfg, agent, benchmark)
-    return hash_value(cfg.model_dump(include=GENERATION_KEYS), eval_agent(cfg, agent), benchmark, content_hash,
-                      model.fingerprint, endpoint.identity, corpus, sampling_extras(cfg, endpoint), template,
+    return hash_value(cfg.model_dump(include=GENERATION_KEYS), benchmark_agent(cfg, agent, benchmark), benchmark,
+                      content_hash, model.fingerprint, endpoint.identity, corpus, sampling_extras(cfg, endpoint), template,
                       system_prompt(template), code_version(__name__))
 
 
@@ -135,7 +143,8 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
         rows, ran = asyncio.run(_infer_all(cfg, agent, loaded, model, endpoint, data, out.path, Path(cache_root)))
         write_jsonl(final, [row.model_dump() for row in rows])
         (out.path / PARTIAL).unlink(missing_ok=True)
-        summary = summarize(rows, ran, time.monotonic() - started, loaded, endpoint)
+        summary = summarize(rows, ran, time.monotonic() - started, loaded, endpoint,
+                            search_mode(benchmark_agent(cfg, agent, benchmark).search))
         write_json(out.path / "summary.json", summary)
         if summary["infra_failed"]:
             log.warning("%s: %d of %d answers hit a tool infrastructure failure (e.g. %s); they are left out of the "
@@ -145,7 +154,8 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
     summary = json.loads((out.path / "summary.json").read_text())
     return PredictionsRef(path=str(final), fingerprint=out.fingerprint, benchmark=benchmark,
                           meta={k: summary.get(k, 0) for k in ("rows", "items", "samples", "benchmark_hash", "model",
-                                                               "timed_out", "errors", "infra_failed")})
+                                                               "timed_out", "errors", "infra_failed")}
+                          | {"search_mode": summary.get("search_mode")})
 
 
 def reopen_infra_failed(folder: Path) -> int:
@@ -162,9 +172,10 @@ def reopen_infra_failed(folder: Path) -> int:
     return len(rows) - len(kept)
 
 
-def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef
-              ) -> dict[str, Any]:
-    return {"rows": len(rows), "items": len(loaded.items), "samples": len({r.sample for r in rows}),
+def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, endpoint: EndpointRef,
+              mode: str | None = None) -> dict[str, Any]:
+    """`mode`: the search the answers were found with (search_mode.search_mode), for the report."""
+    return {"search_mode": mode, "rows": len(rows), "items": len(loaded.items), "samples": len({r.sample for r in rows}),
             "benchmark": loaded.spec.name, "benchmark_hash": loaded.content_hash, "model": endpoint.model,
             "timed_out": sum(r.timed_out for r in rows), "errors": sum(r.error is not None for r in rows),
             "infra_failed": sum(r.infra_failures > 0 for r in rows),
@@ -187,9 +198,12 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
         log.info("%s: the reference searched with the %r backend; this run uses agent.search.backend=%r", name,
                  loaded.spec.search_backend, agent.search.backend)
     failures: list[str] = []
+    evaluated = benchmark_agent(cfg, agent, name)
+    log.info("%s: search mode %s", name, search_mode(evaluated.search))
     if todo:
+        check_summarizer(evaluated.search)
         tokenizer = load_tokenizer(model)
-        box = ToolBox.from_config(eval_agent(cfg, agent), corpus_path(agent, data), str(cache_root),
+        box = ToolBox.from_config(evaluated, corpus_path(agent, data), str(cache_root),
                                   helper_url=endpoint.url, helper_model=endpoint.model)
         client = async_client(endpoint, timeout_s=max(60.0, cfg.sample_timeout_s))
         settings = loop_settings(cfg, endpoint)

@@ -2,15 +2,16 @@
 published numbers beside ours (stages/eval/reference_numbers.yaml, sources per entry).
 
 All rates are percentages. `accuracy` is each benchmark's headline metric as the papers report it (`metric`
-column: F1 for the knowledge-QA sets, llm_equal for the others; without a judge llm_equal falls back to
-math_equal / F1 and the column says so); pass@k columns count a binary verdict (`pass@k verdict`: llm_equal
-with a judge, else math_equal / EM) with the unbiased estimator; `[lo, hi]` are seeded bootstrap intervals over
-questions. A published number goes into `paper accuracy` / `paper pass@k` only when it measures the same thing
-as our column beside it; otherwise it is listed under `paper (other metric)`. The judge's own figure
-(`llm_equal`) and its agreement with the rules sit next to the headline. `provider failures` counts the answers
-whose tool calls hit an infrastructure failure (search provider, retrieval server, sandbox): they are left out of
-the metrics with the rest of their question's samples, listed under their own heading, and retried by the next run.
-"""
+column: F1 for the knowledge-QA sets, llm_equal for the others; without a judge llm_equal falls back to math_equal
+/ F1 and the column says so); pass@k columns count a binary verdict (`pass@k verdict`: llm_equal with a judge,
+else math_equal / EM) with the unbiased estimator; `[lo, hi]` are seeded bootstrap intervals over questions.
+`search` says how each benchmark's answers searched (snippets, browse or browse+summary, and the browsing tool's
+language; stages/eval/search_mode.py), beside the published numbers. A published number goes into `paper accuracy`
+/ `paper pass@k` only when it measures the same thing as our column beside it; otherwise it is listed under `paper
+(other metric)`. The judge's own figure (`llm_equal`) and its agreement with the rules sit next to the headline.
+`provider failures` counts the answers whose tool calls hit an infrastructure failure (search provider, retrieval
+server, sandbox): they are left out of the metrics with the rest of their question's samples, listed under their
+own heading, and retried by the next run."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from stages.core.workspace import stage_dir
 
 STAGE = "eval-report"
 REFERENCE_FILE = Path(__file__).with_name("reference_numbers.yaml")
-_HEADLINE = ("benchmark", "questions", "samples", "metric", "accuracy", "accuracy ci", "paper accuracy",
+_HEADLINE = ("benchmark", "search", "questions", "samples", "metric", "accuracy", "accuracy ci", "paper accuracy",
              "pass@k verdict", "llm_equal", "judge_rule_agreement", "em", "f1", "paper (other metric)", "published",
              "tool_calls", "tool_productivity", "debug_uses", "rollback_uses", "refine_uses", "provider failures")
 _RATES = ("em", "f1", "acc", "math_equal", "llm_equal", "tool_use_rate", "judge_rule_agreement")
@@ -63,7 +64,8 @@ def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame,
     rows = []
     for summary in summaries:
         same, other = _published(reference, summary, reference_setting)
-        row: dict[str, Any] = {"benchmark": summary["benchmark"], "task_type": summary["task_type"],
+        row: dict[str, Any] = {"benchmark": summary["benchmark"], "search": summary.get("search_mode"),
+                               "task_type": summary["task_type"],
                                "model": summary["model"], "questions": summary["questions"],
                                "samples": summary["samples_per_question"], "metric": summary["accuracy_metric"]}
         for name in ["accuracy", *(f"pass@{k}" for k in ks)]:
@@ -137,7 +139,11 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
               f"unbiased estimator. `paper ...` columns hold published numbers of the same metric only; others are "
               f"under `paper (other metric)`. `llm_equal` is the judge beside the headline. `debug_uses`, "
               f"`rollback_uses`, `refine_uses`: Tool-Star's inference-time tools used (totals over the samples; "
-              f"agent.inference). Intervals are "
+              f"agent.inference). `search` = how the answers searched: `snippets` (the search results' text), "
+              f"`browse` (the result pages read, the passage around the best-matching sentence) or `browse+summary` "
+              f"(those pages condensed by the summariser model), with the browsing tool's language variant; the "
+              f"reference's evaluation scripts run with browse+summary (completion_sds; docs/reference.md, "
+              f"\"Deep-search browsing\"). Intervals are "
               f"{confidence:.0%} bootstrap intervals over questions.")
     lines = ["# Evaluation report", "", legend, "", shown.to_markdown(index=False, missingval="-"), ""]
     if not cited.empty:

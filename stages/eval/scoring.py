@@ -73,7 +73,8 @@ def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRe
         samples = score_samples(cfg, rows, judge if judged else None, Path(cache_root),
                                 headline_metric(preds.benchmark))
         summary = summarize_benchmark(cfg, samples, judged, headline_metric(preds.benchmark))
-        summary |= {"judge": judge.identity if judged else None, "predictions": str(predictions_file(preds))}
+        summary |= {"judge": judge.identity if judged else None, "predictions": str(predictions_file(preds)),
+                    "search_mode": preds.meta.get("search_mode")}  # how the answers searched, for the report
         write_jsonl(out.path / "samples.jsonl", [sample.model_dump() for sample in samples])
         write_json(out.path / "summary.json", summary)
         out.finish()

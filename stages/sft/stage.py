@@ -93,7 +93,8 @@ def preflight(cfg: SFTSection) -> None:
                                     "configs/deepspeed/ (ds_z3.json, ds_z3_offload.json) or unset it")
         if importlib.util.find_spec("deepspeed") is None:
             raise ModuleNotFoundError("sft.deepspeed is set but the deepspeed package is not installed; on the GPU "
-                                      "machine run `pip install 'deepspeed>=0.10,<=0.16.9'` or unset sft.deepspeed")
+                                      "machine run ./scripts/setup-gpu.sh (it installs deepspeed==0.19.8 into "
+                                      ".venv) or unset sft.deepspeed")
     if cfg.launcher == "torchrun" and not (Path(bin_dir()) / "torchrun").exists():
         raise MissingInputError(f"sft.launcher=torchrun but {Path(bin_dir()) / 'torchrun'} is missing; "
                                 "install torch into this environment or set sft.launcher=python")

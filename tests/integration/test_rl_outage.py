@@ -85,9 +85,12 @@ def outage_run(tiny_model, synthetic_data, tmp_path_factory):
     finally:
         patch.undo()
     stage = Path(ref.meta["metrics"]).parent
+    dumps = [stage / "rollouts" / f"step_{s:06d}.jsonl" for s in (1, 2)]
+    steps = [(row["step"], row.get("resumed_from")) for row in read_jsonl(stage / "metrics.jsonl")]
+    assert all(d.is_file() for d in dumps), (sorted(str(f.relative_to(stage)) for f in stage.rglob("*")), steps)
     return {"cfg": cfg, "stage": stage, "provider": provider, "metrics": read_jsonl(stage / "metrics.jsonl"),
             "math_question": picked[1].question,
-            "dumps": [read_jsonl(stage / "rollouts" / f"step_{s:06d}.jsonl") for s in (1, 2)]}
+            "dumps": [read_jsonl(dump) for dump in dumps]}
 
 
 def _touched(text: str) -> bool:

@@ -167,7 +167,7 @@ def test_the_launchers_preflight_stops_before_ray_without_a_cuda_context(tmp_pat
     monkeypatch.delenv(NO_KEY, raising=False)
     settings = _settings(tmp_path, search={"backend": "web", "web": {"api_key_env": NO_KEY}})
     vs = VerlSection(n_gpus_per_node=1, storage_units=1, agent_workers=1, reward_workers=1, ray_num_cpus=8,
-                     gpu_memory_utilization=0.01)
+                     gpu_memory_utilization=0.01, extra_overrides=["trainer.device=cpu"])   # a CPU run measures RAM
     with pytest.raises(WorkerSetupError, match=f"export {NO_KEY}"):
         resources.preflight(vs, settings)
     assert not torch.cuda.is_initialized()

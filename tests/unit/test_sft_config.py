@@ -115,7 +115,7 @@ def test_preflight_names_missing_deepspeed_pieces() -> None:
         preflight(SFTSection(deepspeed="configs/deepspeed/nope.json"))
     shipped = SFTSection(deepspeed="configs/deepspeed/ds_z3_offload.json")
     if importlib.util.find_spec("deepspeed") is None:  # the CPU environment: say how to install it
-        with pytest.raises(ModuleNotFoundError, match="pip install 'deepspeed"):
+        with pytest.raises(ModuleNotFoundError, match=r"scripts/setup-gpu.sh \(it installs deepspeed=="):
             preflight(shipped)
     else:
         preflight(shipped)

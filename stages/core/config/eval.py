@@ -84,6 +84,12 @@ class EvalSection(Section):
     sample_timeout_s: float = Field(1500.0, gt=0, description="wall-clock limit per sample")
     max_python: int = Field(5, ge=0, description="python calls per sample")
     max_search: int = Field(10, ge=0, description="search calls per sample")
+    browse: list[str] = Field(
+        default_factory=list, description="benchmarks whose searches browse the result pages here, as the reference's "
+        "deep-search mode did (agent.search.browse settings; summarised when agent.search.summarizer.model is set), "
+        "each in its own language variant (xbench: zh, stages/eval/benchmarks.py); training keeps "
+        "agent.search.browse.enabled (docs/eval.md, \"Search mode per benchmark\")",
+        json_schema_extra=registry("benchmark"))
     benchmark_prompts: bool = Field(
         True, description="a benchmark with its own system prompt in the reference (xbench: Chinese, "
         "configs/templates/tir_search_python_zh.txt) uses it when it offers the same tools as agent.prompt_template; "

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import ValidationError, model_validator
 
-from stages.core.config.agent import AgentSection
+from stages.core.config.agent import AgentSection, SearchSection
 from stages.core.config.cost import CostSection
 from stages.core.config.data import DataSection
 from stages.core.config.eval import EvalSection
@@ -39,4 +39,23 @@ class RunConfig(Section):
                                            self.rl.loss.kl_coef > 0)
             if problem:
                 raise ValueError(f"rl.engine=local with model {self.model.name!r}: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _browsing_settings(self) -> RunConfig:
+        """The summariser needs something that browses; the benchmarks of eval.browse browse with agent.search's
+        settings, so those settings must hold with browsing on (e.g. mode=replay needs its replay_path)."""
+        search = self.agent.search
+        browses = self.eval.enabled and bool(self.eval.browse)
+        if search.summarizer.model and not search.browse.enabled and not browses:
+            raise ValueError("agent.search.summarizer.model is set but nothing browses (agent.search.browse.enabled "
+                             "is false and eval.browse is empty): the summariser reads browsed pages; enable "
+                             "browsing, name benchmarks in eval.browse, or unset the summariser")
+        if browses and not search.browse.enabled:
+            try:
+                SearchSection.model_validate(search.model_dump() | {"browse": search.browse.model_dump()
+                                                                    | {"enabled": True}})
+            except ValidationError as err:
+                raise ValueError(f"eval.browse={self.eval.browse} browses with agent.search's settings: "
+                                 f"{err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
         return self

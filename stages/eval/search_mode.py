@@ -1,0 +1,82 @@
+"""Which search each benchmark is evaluated with, the label the report shows for it, and the summariser check.
+
+`eval.browse` names the benchmarks whose searches browse the result pages, as the reference's deep-search mode
+(`completion_sds`) did; `agent.search.browse.enabled` browses for every benchmark (and in RL rollouts). A benchmark
+that browses uses the reference's variant of the browsing tool for it where it had its own
+(`BenchmarkSpec.browse_language`: xbench is read with the Chinese one), else `agent.search.browse.language`. So one
+eval run reads GAIA, HLE and WebWalker with the English tool and xbench with the Chinese one.
+
+The summariser (`agent.search.summarizer.model`) is an external OpenAI-compatible server at
+`agent.search.summarizer.url`: the serve stage does not start one yet. `check_summarizer` asks it for its models
+before a benchmark's first sample, so a missing server stops the stage once, naming the key and the fix, rather
+than turning every search into an infrastructure failure.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from stages.core.config.agent import SearchSection
+from stages.core.config.eval import EvalSection
+from stages.core.errors import BadInputError
+from stages.eval.benchmarks import BENCHMARKS
+
+
+def browses(cfg: EvalSection, search: SearchSection, benchmark: str) -> bool:
+    """Whether the benchmark's searches read the result pages."""
+    return search.browse.enabled or benchmark in cfg.browse
+
+
+def benchmark_search(cfg: EvalSection, search: SearchSection, benchmark: str) -> SearchSection:
+    """agent.search as this benchmark runs it: browsing on where it browses, in its own language variant."""
+    if not browses(cfg, search, benchmark):
+        return search
+    spec = BENCHMARKS[benchmark] if benchmark in BENCHMARKS else None
+    language = (spec.browse_language if spec is not None else None) or search.browse.language
+    browse = search.browse.model_copy(update={"enabled": True, "language": language})
+    return search.model_copy(update={"browse": browse})
+
+
+def search_mode(search: SearchSection) -> str:
+    """The report's label: `snippets`, `browse (en)` or `browse+summary (zh)`; `, replay` for recorded pages."""
+    if not search.browse.enabled:
+        return "snippets"
+    kind = "browse+summary" if search.summarizer.model else "browse"
+    replay = ", replay" if search.browse.mode == "replay" else ""
+    return f"{kind} ({search.browse.language}{replay})"
+
+
+def check_summarizer(search: SearchSection, get: Any = None) -> None:
+    """Fail with the key and the fix when the summariser server is not there or does not serve the model.
+    `get` (httpx.get's signature) is for tests."""
+    summarizer = search.summarizer
+    if not (search.browse.enabled and summarizer.model):
+        return
+    if not summarizer.url:
+        raise BadInputError(f"agent.search.summarizer.url is not set but agent.search.summarizer.model="
+                            f"{summarizer.model!r} is: {_HOW}")
+    if get is None:
+        import httpx
+
+        get = httpx.get
+    key = os.environ.get(summarizer.api_key_env, "") if summarizer.api_key_env else ""
+    url = summarizer.url.rstrip("/") + "/models"
+    try:
+        response = get(url, headers={"Authorization": f"Bearer {key}"} if key else {},
+                       timeout=min(summarizer.timeout_s, 30.0))
+        response.raise_for_status()
+        served = [m.get("id") for m in response.json().get("data", [])]
+    except Exception as err:  # noqa: BLE001 -- any way of not answering is the same fix
+        raise BadInputError(f"agent.search.summarizer.url={summarizer.url}: no OpenAI-compatible server answers "
+                            f"{url} ({type(err).__name__}: {str(err)[:200]}). {_HOW}") from None
+    if summarizer.model not in served:
+        raise BadInputError(f"agent.search.summarizer.model={summarizer.model!r} is not served at "
+                            f"{summarizer.url} (it serves {served}); set -o agent.search.summarizer.model=<one of "
+                            f"them>, or serve the model under that name there")
+
+
+_HOW = ("The serve stage does not start the summariser yet: serve it yourself, e.g. `vllm serve Qwen/Qwen3-14B "
+        "--served-model-name Qwen3-14B --port 8004 --max-model-len 32768` (docs/agent.md, \"Browsing\"), and set "
+        "-o agent.search.summarizer.url=http://<host>:<port>/v1 (or in the profile); or leave the benchmark out "
+        "of eval.browse to search with snippets only")
