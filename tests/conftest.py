@@ -67,6 +67,8 @@ if importlib.util.find_spec("xdist"):  # a hook pytest does not know without xdi
     def pytest_xdist_make_scheduler(config: pytest.Config, log):
         from xdist.scheduler import LoadScopeScheduling
 
+        config.option.loadscopereorder = False  # xdist would put the groups with the most tests first, ours last
+
         class ModuleAndServerScheduling(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
                 return work_group(nodeid)
