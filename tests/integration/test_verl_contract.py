@@ -19,13 +19,17 @@ pytestmark = pytest.mark.integration
 VERL_PYTHON = PROJECT_ROOT / ".venv-verl-test" / "bin" / "python"
 
 
-def test_verl_contract_suite_passes_in_the_verl_environment():
+def test_verl_contract_suite_passes_in_the_verl_environment(tmp_path):
     if not VERL_PYTHON.exists():
         missing_setup(f"{VERL_PYTHON} is missing: build it with ./scripts/setup-verl.sh --test (./scripts/test.sh does)")
-    env = {**os.environ, "ARPO_PARENT_PYTHON": sys.executable, "PYTHONPATH": str(PROJECT_ROOT)}
+    # The inner pytest gets a temp folder of its own and none of the outer run's pytest settings: an inherited
+    # `--basetemp` (PYTEST_ADDOPTS) would make it wipe the outer run's temp folders, both xdist workers' included.
+    env = {key: value for key, value in os.environ.items()
+           if key != "PYTEST_ADDOPTS" and not key.startswith("PYTEST_XDIST")}
+    env |= {"ARPO_PARENT_PYTHON": sys.executable, "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.run([str(VERL_PYTHON), "-m", "pytest", "tests/verl", "-q", "-p", "no:cacheprovider",
-                           "-W", "ignore", "-rs"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800, check=False)
+                           "-W", "ignore", "-rs", f"--basetemp={tmp_path / 'verl-tests'}"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800, check=False)
     tail = proc.stdout[-8000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
