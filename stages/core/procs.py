@@ -11,9 +11,9 @@ answers, end the whole group.
   process exits or the deadline passes.
 - `kill_group` ends a group (SIGTERM, then SIGKILL after a grace period) and waits until no member is left
   (`group_members`, psutil: zombies do not count). `stop_group` first asks the leader alone (SIGTERM) and gives it
-  the grace period to shut its children down itself, then kills what is left: a vLLM server whose engine process
-  gets SIGTERM at the same moment as its API server logs the engine's death (`EngineDeadError`) as an ERROR; told
-  alone, the API server stops its engine and exits cleanly. The supervisor passes the signal on the same way.
+  the grace period to shut its children down itself, then kills what is left; the supervisor passes the signal on
+  to its command the same way, so a server's own shutdown runs before anything is killed. (vLLM 0.32's API server
+  still logs `EngineDeadError` while it stops its engine this way: that traceback is not yet gone.)
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def stop_server(endpoint: EndpointRef | None, grace_s: float | None = None) -> N
         return
     pgid = int(endpoint.meta["pgid"])
     grace = float(endpoint.meta.get("stop_grace_s", 10.0) if grace_s is None else grace_s)
-    stop_group(pgid, grace, _LIVE.pop(pgid, None))  # the server stops its engine itself: no EngineDeadError
+    stop_group(pgid, grace, _LIVE.pop(pgid, None))  # the server's own shutdown first, then what is left
     log.info("stopped %s server %s (process group %d)", endpoint.meta.get("backend"), endpoint.url, pgid)
 
 

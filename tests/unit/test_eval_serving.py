@@ -95,9 +95,8 @@ def test_kill_group_ends_the_server_and_its_children(tmp_path: Path) -> None:
 
 
 def test_stop_group_lets_the_command_stop_its_own_children(tmp_path: Path) -> None:
-    """As vLLM's API server stops its engine process: the command, told alone, ends its child with SIGUSR1 and
-    exits. The child must hear that, not a SIGTERM sent to the whole group (which is what made the engine die
-    under the API server and log EngineDeadError)."""
+    """As a server stops its worker processes: the command, told alone, ends its child with SIGUSR1 and exits.
+    The child must hear that, not a SIGTERM sent to the whole group before its parent could act."""
     heard = tmp_path / "heard"
     child = (f"import signal, time; p = {str(heard)!r}\n"
              "def on(sig, frame):\n"
