@@ -14,10 +14,12 @@ timed "main + vLLM environments (scripts/setup.sh)" env ARPO_WITH_BROWSER=1 ./sc
 # smoke run (tests/integration/test_verl_cpu_smoke.py) in that environment layered over .venv-vllm (no install)
 timed "verl test environment (setup-verl.sh --test)" ./scripts/setup-verl.sh --test
 timed "verl CPU environment (setup-verl.sh --cpu)" ./scripts/setup-verl.sh --cpu
-# The tiny-model tests need disk: ~4 GB for the session's shared pipeline outputs plus up to ~1.6 GB for the test
-# running (passed tests' folders are removed, pyproject's tmp_path_retention_policy). Say so up front, not as Errno 28.
+# The tiny-model tests need disk: the session's shared tiny-model outputs (~1 GB), and the modules running on the
+# two workers write up to ~3 GB each (models, checkpoints, merged copies; a module's folders go when it ends,
+# tests/conftest.py module_scratch). Say so up front, not as Errno 28; the summary prints the lowest free space seen.
 tmp_dir=${TMPDIR:-/tmp}
 free_kib=$(df -Pk "$tmp_dir" | awk 'NR==2 {print $4}')
+echo "[setup] disk: $((free_kib / 1024 / 1024)) GiB free under $tmp_dir after the set-up"
 if (( free_kib < 8 * 1024 * 1024 )); then
   echo "[test] WARNING: only $((free_kib / 1024)) MiB free under $tmp_dir; the tiny-model tests need ~8 GB." \
        "Free some space or point TMPDIR at a larger disk." >&2

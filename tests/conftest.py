@@ -22,9 +22,42 @@ VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
 def missing_setup(why: str) -> None:
     """Something the set-up installs is missing: a skip on a developer box, a failure in CI (CI=true), where
     scripts/test.sh installs it, so a missing one is a broken set-up, not an optional part."""
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    if in_ci():
         pytest.fail(why)
     pytest.skip(why)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def module_scratch(request: pytest.FixtureRequest, path: Path) -> Path:
+    """Remove `path` when the module fixture that asked (`request`) is torn down, after its own teardown: always in
+    CI, elsewhere only if no test failed meanwhile (kept to look at). A model, its checkpoints and its merged copy
+    are 0.5-1.6 GB each for the tiny model; left to the end of the session, the modules' folders add up to more
+    disk than a CI box may have free (a run died with "No space left on device")."""
+    failed_before = request.session.testsfailed
+
+    def release() -> None:
+        if in_ci() or request.session.testsfailed == failed_before:
+            shutil.rmtree(path, ignore_errors=True)
+
+    request.addfinalizer(release)
+    return path
+
+
+def release_in_ci(*names: str):
+    """An autouse module fixture for a module that trains into TEST_OUTPUTS/<name>: in CI those folders go when the
+    module ends (nothing later reads them); a developer's box keeps them to look at. Use as
+    `release_outputs = release_in_ci("sft-train")` at module level."""
+    @pytest.fixture(scope="module", autouse=True)
+    def release():
+        yield
+        if in_ci():
+            for name in names:
+                shutil.rmtree(TEST_OUTPUTS / name, ignore_errors=True)
+
+    return release
 
 
 def require_vllm_env() -> Path:
@@ -243,12 +276,47 @@ collect_ignore_glob = [] if importlib.util.find_spec("verl") else ["verl/*"]
 CI_BUDGET_MIN = 40  # .ci/run, install included, on the 2-core box (CONTRIBUTING.md, Tests)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """Under .ci/run: the whole run's wall time so far (install included), against the CI budget."""
+_DISK: dict[str, float] = {}  # free space under the temp folder: at the start, and the lowest seen (bytes)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The controller samples the free space under the temp folder every few seconds: the summary says how low it
+    went, so a run that comes near a full disk says so before one fails with Errno 28."""
+    import tempfile
+    import threading
     import time
 
+    if hasattr(session.config, "workerinput"):
+        return
+    folder = tempfile.gettempdir()
+
+    def free() -> float:
+        stat = os.statvfs(folder)
+        return stat.f_bavail * stat.f_frsize
+
+    _DISK.update(start=free(), lowest=free())
+
+    def sample() -> None:
+        while True:
+            time.sleep(5)
+            _DISK["lowest"] = min(_DISK["lowest"], free())
+
+    threading.Thread(target=sample, name="disk-sampler", daemon=True).start()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The lowest free disk space during the run; under .ci/run, the whole run's wall time so far (install
+    included), against the CI budget."""
+    import time
+
+    if hasattr(config, "workerinput"):
+        return
+    if _DISK:
+        terminalreporter.write_line(f"[disk] free under the temp folder: {_DISK['start'] / 2**30:.1f} GiB at the "
+                                    f"start, {_DISK['lowest'] / 2**30:.1f} GiB at the lowest (the suite used up to "
+                                    f"{(_DISK['start'] - _DISK['lowest']) / 2**30:.1f} GiB)")
     start = os.environ.get("ARPO_CI_START")
-    if start and not hasattr(config, "workerinput"):
+    if start:
         minutes = (time.time() - int(start)) / 60
         terminalreporter.write_line(f"[ci] {minutes:.1f} min since .ci/run started, install included "
                                     f"(budget {CI_BUDGET_MIN} min)")

@@ -72,6 +72,19 @@ def network_filesystem(path: str | Path, mounts: str | Path = MOUNTS) -> str | N
     return kind if kind in NETWORK_FILESYSTEMS else None
 
 
+def _retry_locked(statement, timeout_s: float) -> None:
+    """Run `statement` until it does not fail with "database is locked" (or `timeout_s` has passed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            statement()
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class SQLiteStore:
     def __init__(self, path: str | Path, table: str, busy_timeout_s: float = 60.0, mounts: str | Path = MOUNTS) \
             -> None:
@@ -85,10 +98,13 @@ class SQLiteStore:
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
         self.shared_fs = network_filesystem(self.path.parent, mounts)
         self.journal_mode = "DELETE" if self.shared_fs else "WAL"
-        self._conn.execute(f"PRAGMA journal_mode = {self.journal_mode}")
+        # Two processes opening a new file at once: switching it to WAL needs the exclusive lock, and SQLite can
+        # answer SQLITE_BUSY there without calling the busy handler ("database is locked" at once), so retry.
+        _retry_locked(lambda: self._conn.execute(f"PRAGMA journal_mode = {self.journal_mode}"), busy_timeout_s)
         self._conn.execute("PRAGMA synchronous = NORMAL")
-        self._conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
-                           "note TEXT NOT NULL, created REAL NOT NULL)")
+        _retry_locked(lambda: self._conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, value BLOB NOT NULL, note TEXT NOT NULL, "
+            "created REAL NOT NULL)"), busy_timeout_s)
         self.hits = self.misses = self.writes = 0
 
     def get(self, key: str) -> Any | None:

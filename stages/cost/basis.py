@@ -21,7 +21,8 @@ from stages.core.fingerprint import hash_value
 IDENTITY_FILE = "step_identity.json"
 METRICS_FILE = "metrics.jsonl"
 NOT_PER_STEP: dict[str, Any] = {"alarms": True, "optim": True, "enabled": True, "trainer": {
-    "total_steps", "epochs", "save_every", "report_every", "keep_checkpoints", "dump_rollouts"}}
+    "total_steps", "epochs", "save_every", "report_every", "keep_checkpoints", "keep_optimizer_state",
+    "dump_rollouts"}}
 # our name -> the metric names that carry it (local engine first, then verl's file logger)
 ALIASES: dict[str, tuple[str, ...]] = {
     "trajectories": ("rollout/trajectories",),

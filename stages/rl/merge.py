@@ -86,8 +86,10 @@ def merge_to_folder(cfg: MergeSection, ckpt: CheckpointRef, model_dir: Path) -> 
     2. the folder written in `cfg.dtype` and loaded back from disk reproduces the same weights rounded to
        `cfg.dtype` (so the tolerance is about the merge, not about the rounding, which is reported).
     """
+    assembled = None
     if ckpt.format == "verl_fsdp":
-        ckpt = assembled_verl_checkpoint(ckpt, model_dir.with_name("verl_assembled"))
+        assembled = model_dir.with_name("verl_assembled")
+        ckpt = assembled_verl_checkpoint(ckpt, assembled)
     tokenizer = load_tokenizer(ckpt)
     sequences, trained, device = reference_probe(ckpt, tokenizer)
     model = load_policy(ckpt, torch.float32, merge_lora=True).to(device)
@@ -110,6 +112,8 @@ def merge_to_folder(cfg: MergeSection, ckpt: CheckpointRef, model_dir: Path) -> 
     if model_dir.exists():
         shutil.rmtree(model_dir)
     tmp.replace(model_dir)
+    if assembled is not None:  # a float32 copy of the model (56 GB at 14B); the merged folder replaces it
+        shutil.rmtree(assembled, ignore_errors=True)
     rounding = max_abs_diff(trained, rounded)
     log.info("merged %s checkpoint %s -> %s (%s; parity max |dlogp|: load %.2e, merge %.2e <= %.1e; %s rounding "
              "moves log-probs by up to %.2e)", ckpt.format, ckpt.path, model_dir, cfg.dtype, loaded, merged,

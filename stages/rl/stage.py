@@ -23,6 +23,7 @@ from stages.core.workspace import stage_dir
 from stages.cost.basis import step_identity, write_identity
 from stages.rl.card import algorithm_card, card_markdown
 from stages.rl.engines import RL_ENGINES, engine_version
+from stages.rl.retention import drop_optimizer_state
 from stages.rl.trainer import publish_results, training_identity
 
 log = get_logger(__name__)
@@ -51,6 +52,8 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
         base = base_model(policy)  # `arpo plan` projects runs of these per-step settings from this one's metrics
         write_identity(out.path, step_identity(cfg, agent, base.name if base else "", dtype))
         result = engine(cfg, agent, policy, data, out.path, Path(cache_root), seed, dtype)
+        if not cfg.trainer.keep_optimizer_state:  # before `finish` hashes the content
+            drop_optimizer_state(Path(result.path), result.format)
         content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
         out.finish(content=content, final=result.path, steps=result.step, format=result.format,
                    meta=result.meta)

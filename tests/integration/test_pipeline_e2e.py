@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from stages.core.env import PROJECT_ROOT
-from tests.conftest import TINY_SFT, link_tiny_chain, require_chromium
+from tests.conftest import TINY_SFT, link_tiny_chain, module_scratch, require_chromium
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 EVAL = {"infer", "score", "report"}
@@ -44,9 +44,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory: pytest.TempPathFactory, tiny_chain: Path):
+def deployed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_chain: Path):
     home = tmp_path_factory.mktemp("prefect-home")
-    outputs = tmp_path_factory.mktemp("outputs")
+    outputs = module_scratch(request, tmp_path_factory.mktemp("outputs"))
     link_tiny_chain(tiny_chain, outputs)
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),

@@ -15,6 +15,7 @@ from stages.core.refs import CheckpointRef
 from stages.rl import checkpoint as ckpt
 from stages.rl.merge import MergeParityError, merge_checkpoint
 from stages.rl.probe import probe_logprobs, probe_sequences, read_probe, write_probe
+from tests.conftest import module_scratch
 
 pytestmark = pytest.mark.integration
 torch.set_num_threads(1)
@@ -28,14 +29,14 @@ def _load(path: str):
 
 
 @pytest.fixture(scope="module")
-def trainer_checkpoint(tiny_model, tmp_path_factory) -> CheckpointRef:
+def trainer_checkpoint(request, tiny_model, tmp_path_factory) -> CheckpointRef:
     """A trainer checkpoint whose weights differ from the base (as after training), with its probe."""
     model, tok = _load(tiny_model.path)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
-    root = tmp_path_factory.mktemp("rl") / "checkpoints"
+    root = module_scratch(request, tmp_path_factory.mktemp("rl")) / "checkpoints"
     path = ckpt.save_checkpoint(root, ckpt.TrainerState(3, 0, 3), model, tok, optimizer=None)
     write_probe(path, model, tok)
     return CheckpointRef(path=str(path), fingerprint="trained-3", format="trainer", base=tiny_model, step=3)

@@ -33,6 +33,7 @@ from stages.data import read_rl_parquet
 from stages.data.rl_parquet import make_row, write_rl_parquet
 from stages.generation.prompt_items import PromptItem, build_prompt_items
 from stages.generation.session import RolloutSession
+from tests.conftest import module_scratch
 from tests.unit.outage_support import FlakyProvider, kill_sandbox
 from tests.unit.test_agent_search import serve_in_thread
 
@@ -56,12 +57,12 @@ class PrimedSession(RolloutSession):
 
 
 @pytest.fixture(scope="module")
-def outage_run(tiny_model, synthetic_data, tmp_path_factory):
+def outage_run(request, tiny_model, synthetic_data, tmp_path_factory):
     """One QA and one math prompt per step, 2 steps; the provider fails, the sandbox cannot start."""
     import stages.rl.trainer as trainer_module
     from stages.rl.stage import run_rl
 
-    root = tmp_path_factory.mktemp("rl-outage")
+    root = module_scratch(request, tmp_path_factory.mktemp("rl-outage"))
     rows = read_rl_parquet(synthetic_data.file("rl_train"))
     picked = [next(r for r in rows if r.ability == "qa"), next(r for r in rows if r.ability == "math")]
     train = write_rl_parquet([make_row(i, r.data_source, r.ability, r.system, r.question, r.ground_truth, "train")

@@ -15,9 +15,10 @@ from stages.agent.rewards import compute_rewards
 from stages.core.atomic import read_jsonl
 from stages.sft import passthrough
 from stages.sft.dpo import run_dpo
-from tests.conftest import TEST_OUTPUTS
+from tests.conftest import TEST_OUTPUTS, release_in_ci
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+release_outputs = release_in_ci("sft-dpo", "x")
 torch.set_num_threads(1)
 
 

@@ -13,9 +13,10 @@ import torch
 from stages.core.config.sft import SFTSection
 from stages.core.workspace import MARKER
 from stages.sft import run_sft
-from tests.conftest import TEST_OUTPUTS
+from tests.conftest import TEST_OUTPUTS, release_in_ci
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+release_outputs = release_in_ci("sft-lora")
 torch.set_num_threads(1)
 
 ANSWER = ("<think> multiply </think>\n<python>\nprint({i} * 7)\n</python> <result>\n{v}\n</result>\n"

@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from stages.agent.protocol import check_format, count_tool_calls
 from stages.core.atomic import read_jsonl
 from stages.sft import run_sft
-from tests.conftest import TEST_OUTPUTS
+from tests.conftest import TEST_OUTPUTS, release_in_ci
 
 pytestmark = pytest.mark.integration
+release_outputs = release_in_ci("sft-train", "sft-off")
 torch.set_num_threads(1)
 
 # 8 teacher trajectories, 4 optimizer steps of batch 2 (one epoch), lr high enough to move a 135M model visibly.

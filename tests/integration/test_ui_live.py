@@ -34,7 +34,7 @@ import pytest
 
 from flows.automations import crash_silent_runs
 from stages.core.env import PROJECT_ROOT
-from tests.conftest import TEST_OUTPUTS, require_chromium
+from tests.conftest import TEST_OUTPUTS, module_scratch, require_chromium
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 VENV_BIN = Path(sys.executable).parent
@@ -59,9 +59,9 @@ def readme_block(section: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> dict:
+def project(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model) -> dict:
     """A copy of this checkout whose prefect.toml points at a free port, and a fresh-shell runner inside it."""
-    root = tmp_path_factory.mktemp("project") / "arpo-pipeline"
+    root = module_scratch(request, tmp_path_factory.mktemp("project")) / "arpo-pipeline"
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=PROJECT_ROOT, check=True,
                             capture_output=True, text=True).stdout.splitlines()
     for name in listed:

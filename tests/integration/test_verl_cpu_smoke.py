@@ -34,7 +34,7 @@ import torch
 
 from stages.core.atomic import read_jsonl
 from stages.core.env import PROJECT_ROOT
-from tests.conftest import TINY_SFT, link_tiny_chain, missing_setup
+from tests.conftest import TINY_SFT, link_tiny_chain, missing_setup, module_scratch
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 VERL_CPU_PYTHON = PROJECT_ROOT / ".venv-verl-cpu" / "bin" / "python"
@@ -111,10 +111,11 @@ def wait_for(predicate, timeout_s: float, proc: subprocess.Popen | None = None, 
 
 
 @pytest.fixture(scope="module")
-def smoke(tiny_model, tiny_chain, tmp_path_factory):
+def smoke(request, tiny_model, tiny_chain, tmp_path_factory):
     if not VERL_CPU_PYTHON.exists():
         missing_setup(f"{VERL_CPU_PYTHON} is missing: ./scripts/setup-verl.sh --cpu builds it (./scripts/test.sh does)")
-    outputs, home = tmp_path_factory.mktemp("verl-smoke"), tmp_path_factory.mktemp("prefect-home")
+    outputs = module_scratch(request, tmp_path_factory.mktemp("verl-smoke"))
+    home = tmp_path_factory.mktemp("prefect-home")
     link_tiny_chain(tiny_chain, outputs)           # the converted tiny model, data and short SFT, reused
     start = time.monotonic()
     first = arpo_run(outputs, home, outputs / "run-1.log", background=True)
@@ -153,10 +154,6 @@ def smoke(tiny_model, tiny_chain, tmp_path_factory):
           f"cached rerun {time.monotonic() - start - resumed_at:.0f} s (load {os.getloadavg()[0]:.1f})")
     yield {"outputs": outputs, "stage": stage, "tiny_model": tiny_model,
            "third_run_started_verl": len(list(stage.glob("verl_metrics/attempt_*.jsonl"))) > attempts_after_rerun}
-    for folder in ("rl", "merge"):                       # checkpoints are large; the rest goes with the temp folder
-        import shutil
-
-        shutil.rmtree(outputs / folder, ignore_errors=True)
 
 
 def test_verl_trained_two_steps_resumed_from_step_1_and_the_rerun_was_cached(smoke):

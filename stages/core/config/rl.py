@@ -174,6 +174,9 @@ class TrainerSection(Section):
                               "(and at the last step)")
     keep_checkpoints: int = Field(1, ge=1, description="complete checkpoints kept (older ones are deleted); "
                                   "the newest is the one a crashed run resumes from")
+    keep_optimizer_state: bool = Field(False, description="keep the final checkpoint's optimizer state when the "
+                                       "stage finishes (twice the model in fp32 AdamW; only continuing the run by "
+                                       "hand needs it)")
     reward: str = Field("reference", description="reward function: reference | math_equiv",
                         json_schema_extra=registry("reward function"))
     gradient_checkpointing: bool = False

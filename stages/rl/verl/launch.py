@@ -40,6 +40,7 @@ from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.data import RLRow, read_rl_parquet
 from stages.data.rl_parquet import SCHEMA
 from stages.generation.models import policy_folder, tokenizer_folder
+from stages.rl.retention import prune_verl_checkpoints
 from stages.rl.step_metrics import plot_curves
 from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, external_modules, verl_overrides
 from stages.rl.verl.monitor import Follower, LiveReport, read_steps
@@ -240,6 +241,7 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
     log.info("verl: %d overrides (stage %s); plugin %s; launching verl.trainer.main_ppo", len(overrides), stage,
              sorted(found))
     reap_leftovers(paths.settings)
+    prune_verl_checkpoints(Path(paths.checkpoints), cfg.trainer.keep_checkpoints)  # a crashed attempt's old ones
     resumed = latest_step(Path(paths.checkpoints)) or 0
     with reporter.track("rl", f"RL ({cfg.algorithm}, verl)", total=total_steps(cfg, len(rows)), done=resumed) as bar:
         live = LiveReport(cfg, stage, bar, resumed)
@@ -253,6 +255,7 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
     step = latest_step(Path(paths.checkpoints))
     if step is None:
         raise RuntimeError(f"verl finished without a checkpoint in {paths.checkpoints}; set rl.trainer.save_every")
+    prune_verl_checkpoints(Path(paths.checkpoints), cfg.trainer.keep_checkpoints)
     actor = Path(paths.checkpoints) / f"global_step_{step}" / "actor"
     return CheckpointRef(path=str(actor), fingerprint="", format="verl_fsdp", step=step,
                          meta={"engine": "verl", "metrics": str(stage / "metrics.jsonl"), "log": str(stage / "verl.log"),
