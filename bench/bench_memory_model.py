@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages.cost.archs import Arch  # noqa: E402
+from stages.core.archs import Arch  # noqa: E402
 from stages.cost.memory import activation_bytes, logits_bytes  # noqa: E402
 from stages.cost.partition import MicroBatch  # noqa: E402
 

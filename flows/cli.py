@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from flows import extra_commands
+from flows import extra_commands, rehearse_commands
 from flows.server import default_port, start_prefect_server, use_local_server_if_running
 from stages.core.env import configure_environment
 
@@ -47,18 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers()
     run = sub.add_parser("run", help="run the pipeline (default: the whole tiny chain on CPU)")
     _config_args(run)
-    run.add_argument("--only", action="append", default=[], metavar="STAGE",
-                     help="run just this stage (upstream inputs come from cache); repeatable")
-    run.add_argument("--until", metavar="STAGE", help="run the chain up to and including STAGE")
-    run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
-                     help="recompute STAGE even if cached (its downstream follows); repeatable")
-    run.add_argument("--from", dest="refresh_from", metavar="STAGE", help="recompute STAGE and everything after it")
-    run.add_argument("--ephemeral", action="store_true",
-                     help="do not use the local Prefect server even if it is running")
-    run.add_argument("--verify", action="store_true",
-                     help="check every byte of each cached output against its manifest before reusing it (default: "
-                          "sizes, and contents of small or touched files)")
+    _stage_args(run)
     run.set_defaults(handler=cmd_run)
+    rehearse_commands.register(sub, _config_args, _stage_args)
 
     config = sub.add_parser("config", help="show or validate the resolved config")
     config.add_argument("action", choices=["show", "validate"])
@@ -85,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     stages.set_defaults(handler=cmd_stages)
     extra_commands.register(sub)
     return parser
+
+
+def _stage_args(parser: argparse.ArgumentParser) -> None:
+    """Which stages run (arpo run, arpo rehearse)."""
+    parser.add_argument("--only", action="append", default=[], metavar="STAGE",
+                        help="run just this stage (upstream inputs come from cache); repeatable")
+    parser.add_argument("--until", metavar="STAGE", help="run the chain up to and including STAGE")
+    parser.add_argument("--refresh", action="append", default=[], metavar="STAGE",
+                        help="recompute STAGE even if cached (its downstream follows); repeatable")
+    parser.add_argument("--from", dest="refresh_from", metavar="STAGE", help="recompute STAGE and everything after it")
+    parser.add_argument("--ephemeral", action="store_true",
+                        help="do not use the local Prefect server even if it is running")
+    parser.add_argument("--verify", action="store_true",
+                        help="check every byte of each cached output against its manifest before reusing it (default: "
+                             "sizes, and contents of small or touched files)")
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -141,11 +147,21 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    summary = run_pipeline(args.profile, args.override, args)
+    report = summary["refs"].get("report")
+    if report:
+        print(f"report:     {report['path']}")
+    return 0
+
+
+def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace) -> dict:
+    """Check everything that can be checked before work starts, then run the flow (`arpo run`, `arpo rehearse`);
+    returns the flow's summary."""
     from stages.core.config import load_config
     from stages.core.env import free_cpu_threads
     from stages.core.plan import make_plan
 
-    cfg = load_config(args.profile, args.override)  # fail fast on config errors
+    cfg = load_config(profile, overrides)  # fail fast on config errors
     plan = make_plan(args.only, args.until, args.refresh, args.refresh_from)
     from stages.core.inputs import check_inputs
 
@@ -168,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     print(f"profile {cfg.profile}: {plan.describe()}")
     try:
-        summary = pipeline(profile=args.profile, overrides=args.override, only=args.only, until=args.until,
+        summary = pipeline(profile=profile, overrides=overrides, only=args.only, until=args.until,
                            refresh=args.refresh, refresh_from=args.refresh_from, verify=args.verify)
     except Exception as err:
         from stages.core.errors import DeterministicError
@@ -181,11 +197,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                              ) from err
         raise
     print(f"\nrun record: {summary['run_dir']}")
-    report = summary["refs"].get("report")
-    if report:
-        print(f"report:     {report['path']}")
     print(f"web UI:     {ui}" if ui else "web UI:     start it with `arpo server start`, then rerun (cached)")
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@ from tasks.eval_score import score_task, scores_as_they_finish
 @flow(name="evaluate", log_prints=True)
 def evaluate_benchmarks(cfg: RunConfig, model: ModelRef, data: DatasetRef, endpoint: EndpointRef,
                         judge: EndpointRef | None, refresh: list[StageName], score: bool,
-                        retry: list[str] | None = None) -> dict[str, Any]:
-    """retry: benchmarks whose infra-failed samples run again (stages/eval/reuse.py)."""
+                        retry: list[str] | None = None, summarizer: EndpointRef | None = None) -> dict[str, Any]:
+    """retry: benchmarks whose infra-failed samples run again (stages/eval/reuse.py); summarizer: the summariser
+    server the parent flow started (agent.search.summarizer.path), None when it serves none."""
     plan = make_plan(refresh=refresh)
     root, cache = cfg.run.output_root, cfg.run.cache_root
-    predictions = [submit_infer(plan, retry or [], cfg.eval, cfg.agent, name, model, endpoint, data, root, cache)
-                   for name in cfg.eval.benchmarks]
+    predictions = [submit_infer(plan, retry or [], cfg.eval, cfg.agent, name, model, endpoint, data, root, cache,
+                                summarizer=summarizer) for name in cfg.eval.benchmarks]
     if not score:
         return {"infer": [p.result() for p in predictions]}
     scores = [submit_stage(score_task, plan, "score", cfg.eval, p, judge, root, cache) for p in predictions]

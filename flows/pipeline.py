@@ -23,7 +23,7 @@ from tasks.common import run_stage
 from tasks.cost import cost_plan_task
 from tasks.data import data_task
 from tasks.eval_score import report_task
-from tasks.eval_serve import judge_serve_task, serve_task, serving_needs_task, stop_task
+from tasks.eval_serve import judge_serve_task, serve_task, serving_needs_task, stop_task, summarizer_serve_task
 from tasks.heldout import heldout_task
 from tasks.rl import merge_task, rl_task
 from tasks.run_record import record_config_task, summary_task
@@ -76,7 +76,8 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
 
 
 def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str, gains: dict[str, Any]) -> dict[str, Any]:
-    """Serve the policy (and the judge), fan inference + scoring out per benchmark, report; always tear down."""
+    """Serve the policy (and the judge, the summariser), fan inference + scoring out per benchmark, report; always
+    tear down."""
     endpoints = []
     try:
         # a cached rerun starts no server: the planned endpoints carry the identity the cache keys hash
@@ -86,8 +87,12 @@ def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str, gains: di
         judge = judge_serve_task(cfg.eval.judge, endpoint, run_dir) if needs.judge else needs.judge_endpoint
         if judge is not None and judge.url != endpoint.url:
             endpoints.append(judge)
+        summarizer = summarizer_serve_task(cfg.agent.search.summarizer, run_dir) if needs.summarizer else None
+        if summarizer is not None:
+            endpoints.append(summarizer)
         fanout = FANOUT[cfg.eval.fanout](cfg)
-        out = fanout(cfg, model, data, endpoint, judge, sorted(plan.refresh), plan.runs("score"), needs.retry)
+        out = fanout(cfg, model, data, endpoint, judge, sorted(plan.refresh), plan.runs("score"), needs.retry,
+                     summarizer)
         if plan.runs("report"):
             out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], cfg.run.output_root,
                                       gains=gains)

@@ -37,8 +37,8 @@ try:
     import transformers
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from stages.core.archs import Arch
     from stages.core.config.rl import RLSection
-    from stages.cost.archs import Arch
     from stages.cost.memory import ADAM, GRAD, MASTER, activation_bytes
     from stages.cost.partition import MicroBatch
     from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory

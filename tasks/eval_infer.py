@@ -22,10 +22,11 @@ from tasks.secrets import export_search_key
 
 @stage_task("eval-infer", infer_key)
 def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
-           data: DatasetRef, output_root: str, cache_root: str, retry: bool = False) -> PredictionsRef:
+           data: DatasetRef, output_root: str, cache_root: str, retry: bool = False,
+           summarizer: EndpointRef | None = None) -> PredictionsRef:
     export_search_key(agent)
     ref = run_inference(cfg, agent, benchmark, model, endpoint, data, output_root, cache_root,
-                        force=forced() and not retry)
+                        force=forced() and not retry, summarizer=summarizer)
     publish_table(f"infer-{benchmark}", [{"benchmark": benchmark, **ref.meta, "path": ref.path}],
                   f"Predictions for {benchmark}")
     return ref
@@ -35,8 +36,9 @@ infer_task = _infer.with_options(task_run_name="eval-infer-{benchmark}")
 
 
 def submit_infer(plan: Any, retry: list[str], cfg: EvalSection, agent: AgentSection, benchmark: str,
-                 *args: Any) -> Any:
+                 *args: Any, summarizer: EndpointRef | None = None) -> Any:
     """Submit one benchmark's inference: recomputed when the plan refreshes `infer`; run again without a wipe
-    (only its infra-failed samples) when it is in `retry`."""
+    (only its infra-failed samples) when it is in `retry`. `summarizer`: the served summariser's endpoint."""
     again = benchmark in retry and not plan.refreshes("infer")
-    return refreshed(infer_task, plan.refreshes("infer") or again).submit(cfg, agent, benchmark, *args, retry=again)
+    return refreshed(infer_task, plan.refreshes("infer") or again).submit(cfg, agent, benchmark, *args, retry=again,
+                                                                          summarizer=summarizer)

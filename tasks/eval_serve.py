@@ -15,11 +15,12 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from stages.core.config.browse import SummarizerSection
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from stages.eval.reuse import ServingNeeds, serving_needs
-from stages.eval.serving import endpoint_info, start_judge, start_server, stop_server
+from stages.eval.serving import endpoint_info, start_judge, start_server, start_summarizer, stop_server
 from tasks.artifacts import publish_table
 from tasks.live import follow_log, unfollow_log
 
@@ -28,8 +29,9 @@ from tasks.live import follow_log, unfollow_log
 def serving_needs_task(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str], score: bool) -> ServingNeeds:
     """Which servers this run must start: none when every prediction (and judged score) is already on disk."""
     needs = serving_needs(cfg, model, data, refresh, score)
-    get_run_logger().info("serving: policy %s, judge %s (missing: %s)", "start" if needs.policy else "not needed",
-                          "start" if needs.judge else "not needed", ", ".join(needs.missing) or "nothing")
+    start = lambda needed: "start" if needed else "not needed"  # noqa: E731
+    get_run_logger().info("serving: policy %s, judge %s, summariser %s (missing: %s)", start(needs.policy),
+                          start(needs.judge), start(needs.summarizer), ", ".join(needs.missing) or "nothing")
     return needs
 
 
@@ -46,6 +48,13 @@ def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str
     judge = start_judge(cfg, policy, log_dir)
     follow_log(judge.meta.get("log") if judge else None, "judge server")  # a shared or external one has no new log
     return judge
+
+
+@task(name="serve-summarizer", cache_policy=NO_CACHE, persist_result=False)
+def summarizer_serve_task(cfg: SummarizerSection, log_dir: str) -> EndpointRef | None:
+    summarizer = start_summarizer(cfg, log_dir)
+    follow_log(summarizer.meta.get("log") if summarizer else None, "summariser server")
+    return summarizer
 
 
 @task(name="stop-server", cache_policy=NO_CACHE, persist_result=False)

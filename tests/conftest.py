@@ -83,10 +83,10 @@ def require_chromium() -> str:
 # that server once and stops it after its last user. The scheduler sees only test ids, hence the list of vLLM
 # modules, which collection checks against the fixture each module really uses.
 # Longest first, as measured in CI (README, Tests):
-LONGEST_FIRST = ("test_verl_cpu_smoke.py", "test_pipeline_e2e.py", "test_ui_live.py")
+LONGEST_FIRST = ("test_verl_cpu_smoke.py", "test_pipeline_e2e.py", "test_ui_live.py", "test_rehearse_e2e.py")
 VLLM_MODULES = ("tests/integration/test_eval_infer.py", "tests/integration/test_eval_inference_tools.py",
                 "tests/integration/test_eval_score.py", "tests/integration/test_eval_server.py",
-                "tests/integration/test_eval_vllm_parity.py")
+                "tests/integration/test_eval_vllm_parity.py", "tests/integration/test_eval_summarizer.py")
 VLLM_GROUP = "vllm"
 
 

@@ -174,8 +174,9 @@ class SearchTool(Tool):
             return hash_value(class_code_version(type(self), (type(self.backend).__module__,)), s.top_k,
                               s.max_chars_per_passage)
         browsing = (type(self.backend).__module__, "stages.agent.search.browse", "stages.agent.search.summarize")
+        where_it_runs = {"url", "api_key_env", "timeout_s", "serve"}  # not what a summary says
         return hash_value(class_code_version(type(self), browsing), s.max_chars_per_passage,
-                          s.browse.model_dump(), s.summarizer.model_dump(exclude={"url", "api_key_env", "timeout_s"}))
+                          s.browse.model_dump(), s.summarizer.model_dump(exclude=where_it_runs))
 
     def backend_id(self) -> str:
         found = f"{self.backend.name}:{self.backend.corpus_id}"

@@ -51,6 +51,21 @@ def check_inputs(cfg: BaseModel, stages: Iterable[str]) -> None:
         if wanted & set(runs) and hasattr(cfg, name):
             for key, value, spec in _inputs(getattr(cfg, name), name):
                 check_input(key, value, spec)
+    check_interpreters(cfg, wanted)
+
+
+def check_interpreters(cfg: BaseModel, stages: set[str]) -> None:
+    """A stage set to run under another interpreter (run.interpreters) needs it here, before any work: else the
+    stage's task fails with FileNotFoundError after the run has started (and is retried)."""
+    run = getattr(cfg, "run", None)
+    for stage, python in (getattr(run, "interpreters", None) or {}).items():
+        path = Path(python) if Path(python).is_absolute() else PROJECT_ROOT / python
+        if stage in stages and not path.is_file():
+            hint = {"rl": " (./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
+                          ".venv-verl-cpu)"}.get(stage, "")
+            raise MissingInputError(f"run.interpreters.{stage}={python}: {path} does not exist; build that "
+                                    f"environment{hint}, or remove run.interpreters.{stage} to run the stage in "
+                                    "this process")
 
 
 def _inputs(section: BaseModel, prefix: str) -> Iterator[tuple[str, Any, dict[str, Any]]]:

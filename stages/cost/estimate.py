@@ -70,6 +70,8 @@ def _line(what: str, bound: float, steps: int | None, measured: float | None, to
 
 def estimate(cfg: RunConfig, train_rows: int | None, measured: Measured | None = None,
              eval_questions: dict[str, int | None] | None = None) -> Estimate:
+    from stages.cost.summarizer import eval_summarizer_lines, summarizer_lines  # it builds this module's Lines
+
     ro, trainer, limits = cfg.rl.rollout, cfg.rl.trainer, cfg.agent.limits
     steps = run_steps(cfg, train_rows)
     tol = cfg.cost.tolerance
@@ -92,8 +94,10 @@ def estimate(cfg: RunConfig, train_rows: int | None, measured: Measured | None =
         bound = (trajs + probes) * min(calls_per_traj, cap if cap is not None else calls_per_traj)
         out.lines.append(_line(f"{tool} calls", bound, steps, mean(f"{tool}_calls"), tol))
     out.lines += _search_bill(cfg, out.line("search calls"))
+    out.lines += summarizer_lines(cfg, out.line("search calls"))
     out.lines += _device_hours(cfg, steps, mean("step_s"), tol)
     out.lines += _eval_lines(cfg, eval_questions or {})
+    out.lines += eval_summarizer_lines(cfg, eval_questions or {})
     out.assumptions = _assumptions(cfg, out, measured)
     return out
 
@@ -175,5 +179,8 @@ def _assumptions(cfg: RunConfig, est: Estimate, measured: Measured | None) -> li
                      "trains)")
     else:
         notes.append("no measured run found for these per-step settings: tool calls and tokens are the bounds")
+    from stages.cost.summarizer import summarizer_assumption
+
+    notes += [note for note in [summarizer_assumption(cfg)] if note]
     notes.append("not estimated: SFT, merge, serving start-up, evaluation time")
     return notes

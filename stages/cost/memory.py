@@ -1,6 +1,6 @@
 """Peak device memory per GPU of each phase of a verl RL step, before anything starts (docs/plan.md "Memory").
 
-    est = memory_estimate(cfg)     # None: not the verl engine, or the model is not in stages/cost/archs.py
+    est = memory_estimate(cfg)     # None: not the verl engine, or the model is not in stages/core/archs.py
     est.phases                     # rollout, old_log_prob, [ref_log_prob], actor_update: GiB per GPU, by part
     check_memory(cfg, stages)      # `arpo run`: BadInputError naming the phase and the setting that fixes it
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.core.archs import Arch, arch_for
 from stages.core.config import RunConfig
 from stages.core.errors import BadInputError
-from stages.cost.archs import Arch, arch_for
 from stages.cost.partition import MicroBatch, fixed_micro_batches, micro_batches
 
 GIB = 2 ** 30
@@ -133,8 +133,9 @@ def activation_bytes(arch: Arch, mb: MicroBatch, dtype_bytes: int, remove_paddin
 
 
 def memory_estimate(cfg: RunConfig) -> MemoryEstimate | None:
-    """The verl engine's per-GPU peak of each phase; None for the local engine or a model not in the table."""
-    if not cfg.rl.enabled or cfg.rl.engine != "verl":
+    """The verl engine's per-GPU peak of each phase; None for the local engine, a model not in the table, or a
+    rehearsal's toy model (its name is the real model's; `arpo rehearse` reports the real profile's estimate)."""
+    if not cfg.rl.enabled or cfg.rl.engine != "verl" or cfg.model.source == "toy":
         return None
     found = arch_for(cfg.model.name, cfg.model.path)
     if found is None:

@@ -33,7 +33,7 @@ from stages.core.reporter import track
 from stages.core.workspace import stage_dir
 from stages.eval.agent_loop import LoopSettings, SampleState, run_sample
 from stages.eval.rows import PredictionRow
-from stages.eval.search_mode import benchmark_search, check_summarizer, search_mode
+from stages.eval.search_mode import benchmark_search, check_summarizer, keyed_agent, search_mode, summarizer_search
 
 log = get_logger(__name__)
 
@@ -81,14 +81,15 @@ def inference_key(cfg: EvalSection, agent: AgentSection, benchmark: str, content
                   endpoint: EndpointRef, data: DatasetRef) -> str:
     """What the predictions depend on: the generation settings (not the judge, pass@k or bootstrap, which only
     rescore), the agent, the benchmark's content, the model, what answers at the endpoint (served name + weights,
-    never its URL) and the sampling extras it accepts, the corpus, the prompt and the code."""
+    never its URL) and the sampling extras it accepts, the corpus, the prompt and the code. The summariser counts by
+    what it is (its served name, `path`, sampling), never by where it runs (`keyed_agent`)."""
     from stages.agent.prompt_templates import system_prompt
 
     corpus = agent.search.corpus_path or (data.fingerprint if "corpus" in data.files else None)
     template = benchmark_template(cfg, agent, benchmark)
-    return hash_value(cfg.model_dump(include=GENERATION_KEYS), benchmark_agent(cfg, agent, benchmark), benchmark,
-                      content_hash, model.fingerprint, endpoint.identity, corpus, sampling_extras(cfg, endpoint), template,
-                      system_prompt(template), code_version(__name__))
+    return hash_value(cfg.model_dump(include=GENERATION_KEYS), keyed_agent(benchmark_agent(cfg, agent, benchmark)),
+                      benchmark, content_hash, model.fingerprint, endpoint.identity, corpus,
+                      sampling_extras(cfg, endpoint), template, system_prompt(template), code_version(__name__))
 
 
 def load(cfg: EvalSection, benchmark: str, data: DatasetRef) -> Any:
@@ -129,7 +130,9 @@ def append_row(handle: Any, row: dict[str, Any]) -> None:
 
 def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
                   data: DatasetRef, output_root: str | Path, cache_root: str | Path,
-                  force: bool = False) -> PredictionsRef:
+                  force: bool = False, summarizer: EndpointRef | None = None) -> PredictionsRef:
+    """`summarizer`: the endpoint of the summariser the evaluation serves (agent.search.summarizer.path,
+    stages.eval.serving.start_summarizer) when this benchmark browses with one; never part of the key."""
     loaded = load(cfg, benchmark, data)
     key = inference_key(cfg, agent, benchmark, loaded.content_hash, model, endpoint, data)
     out = stage_dir(output_root, STAGE, key, force=force)
@@ -140,7 +143,8 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
         reopen_infra_failed(out.path)
     if not out.complete:
         started = time.monotonic()
-        rows, ran = asyncio.run(_infer_all(cfg, agent, loaded, model, endpoint, data, out.path, Path(cache_root)))
+        rows, ran = asyncio.run(_infer_all(cfg, agent, loaded, model, endpoint, data, out.path, Path(cache_root),
+                                           summarizer))
         write_jsonl(final, [row.model_dump() for row in rows])
         (out.path / PARTIAL).unlink(missing_ok=True)
         summary = summarize(rows, ran, time.monotonic() - started, loaded, endpoint,
@@ -185,7 +189,8 @@ def summarize(rows: list[PredictionRow], ran: int, wall_s: float, loaded: Any, e
 
 
 async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: ModelRef, endpoint: EndpointRef,
-                     data: DatasetRef, folder: Path, cache_root: Path) -> tuple[list[PredictionRow], int]:
+                     data: DatasetRef, folder: Path, cache_root: Path,
+                     summarizer: EndpointRef | None = None) -> tuple[list[PredictionRow], int]:
     from stages.agent.prompt_templates import build_messages
     from stages.agent.toolbox import ToolBox, corpus_path
     from stages.eval.serving import async_client
@@ -201,6 +206,7 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
     evaluated = benchmark_agent(cfg, agent, name)
     log.info("%s: search mode %s", name, search_mode(evaluated.search))
     if todo:
+        evaluated = evaluated.model_copy(update={"search": summarizer_search(evaluated.search, summarizer)})
         check_summarizer(evaluated.search)
         tokenizer = load_tokenizer(model)
         box = ToolBox.from_config(evaluated, corpus_path(agent, data), str(cache_root),

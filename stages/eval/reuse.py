@@ -6,7 +6,9 @@ with the *planned* endpoints (`stages.eval.serving.planned_endpoint`: the served
 sampling extras the keys hash, no live process), and checks the stage folders' completion markers:
 - the policy server is needed when some benchmark's predictions are missing (or `infer` is refreshed), or when
   the judge is the policy and some judged score is missing;
-- a separate judge server is needed when the judge is enabled and some judged score is missing.
+- a separate judge server is needed when the judge is enabled and some judged score is missing;
+- the summariser server (agent.search.summarizer.path) is needed when some benchmark that browses with it has
+  missing predictions; scoring never needs it.
 Rule-only scoring (judge off) never needs a server.
 
 Predictions with samples that hit a tool infrastructure failure (the marker's `infra_failed`) are not finished:
@@ -26,13 +28,15 @@ from stages.core.config.eval import EvalSection
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.core.workspace import MARKER
+from stages.eval.search_mode import serves_summarizer
 from stages.eval.serving import planned_endpoint, planned_judge
 
 log = get_logger(__name__)
 
 
 class ServingNeeds(BaseModel):
-    """Whether to start the policy / judge servers; the planned endpoints stand in for those not started."""
+    """Whether to start the policy / judge / summariser servers; the planned endpoints stand in for the policy and
+    judge when they are not started (a summariser's endpoint is in no key, so none stands in for it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     policy: bool
@@ -41,6 +45,7 @@ class ServingNeeds(BaseModel):
     judge_endpoint: EndpointRef | None
     missing: list[str]
     retry: list[str] = []  # benchmarks whose predictions have infra-failed samples to run again
+    summarizer: bool = False
 
 
 def _marker(output_root: str | Path, stage: str, key: str) -> Path:
@@ -100,5 +105,7 @@ def serving_needs(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str
             missing.append(f"score:{name}")
     need_judge = judged and bool(missing)
     need_policy = any(m.startswith("infer:") for m in missing) or (need_judge and cfg.eval.judge.model == "policy")
+    need_summarizer = any(m.startswith("infer:") and serves_summarizer(cfg.eval, cfg.agent.search, m[len("infer:"):])
+                          for m in missing)
     return ServingNeeds(policy=need_policy, judge=need_judge, policy_endpoint=policy, judge_endpoint=judge,
-                        missing=missing, retry=retry)
+                        missing=missing, retry=retry, summarizer=need_summarizer)

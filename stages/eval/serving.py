@@ -9,6 +9,9 @@ Servers run supervised in their own process group with output captured to `<log_
 context manager,
 an atexit hook for servers this process started, and the supervisor, which kills the group when this
 process dies without either.
+
+Besides the policy: the judge (`start_judge`: eval.judge.path through eval.judge.serve) and the deep-search
+summariser (`start_summarizer`: agent.search.summarizer.path through its `serve`), each its own server.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from stages.core.config.browse import SummarizerSection
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
 from stages.core.fingerprint import hash_file, hash_value
@@ -170,6 +174,30 @@ def planned_judge(cfg: JudgeSection, policy: EndpointRef) -> EndpointRef | None:
     if cfg.model == "policy":
         return policy.model_copy(update={"meta": {**policy.meta, "shared_with": "policy"}})
     return planned_endpoint(cfg.serve, judge_model_ref(cfg))
+
+
+# ------------------------------------------------------------------------------------------- the summariser
+def summarizer_model_ref(cfg: SummarizerSection) -> ModelRef:
+    """The summariser model (agent.search.summarizer.path) as a ModelRef, fingerprinted like the judge's."""
+    if not cfg.served_here:
+        raise ServeError("the evaluation serves the summariser only from agent.search.summarizer.path (a model "
+                         "folder or hub id); with agent.search.summarizer.url it is a server you run")
+    config = Path(cfg.path or "") / "config.json"
+    identity = hash_file(config) if config.is_file() else ""
+    return ModelRef(path=str(cfg.path), fingerprint=hash_value("summarizer", cfg.path, identity), name=cfg.model)
+
+
+def summarizer_serve(cfg: SummarizerSection) -> ServeSection:
+    """`summarizer.serve` under the summariser's served name (`summarizer.model`, what its client sends)."""
+    return cfg.serve.model_copy(update={"served_name": cfg.model})
+
+
+def start_summarizer(cfg: SummarizerSection, log_dir: str | Path) -> EndpointRef | None:
+    """The summariser server for agent.search.summarizer.path, started through `summarizer.serve` exactly as a
+    judge from eval.judge.path; None when there is nothing to serve (no summariser, or one at `url`)."""
+    if not cfg.served_here:
+        return None
+    return start_server(summarizer_serve(cfg), summarizer_model_ref(cfg), log_dir)
 
 
 def endpoint_info(endpoint: EndpointRef) -> dict[str, Any]:

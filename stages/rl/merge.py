@@ -10,14 +10,16 @@ The merged folder gets the weights in `cfg.dtype`, the tokenizer and the generat
 back from disk and its log-probs on the probe sequences must match the reference within `cfg.parity_atol`,
 else `MergeParityError` reports the largest difference and the stage stays incomplete.
 
-- verl_fsdp: a verl FSDP actor folder (`global_step_<N>/actor`, the verl engine's output): its shards are first
-  assembled into an HF folder by `stages.rl.fsdp_merge.merge_fsdp_shards`, which is then merged as `hf` (the
-  reference log-probs come from the assembled float32 weights).
+- verl_fsdp: a verl FSDP actor folder (`global_step_<N>/actor`, the verl engine's output): its shards are streamed
+  straight into the merged folder in `cfg.dtype` by `stages.rl.fsdp_merge.write_merged_folder` (one output shard in
+  memory, no float32 copy on disk); the reference log-probs come from the assembled float32 weights, and the
+  folder's tensors are also checked bit for bit against the assembled ones rounded.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,8 +32,10 @@ from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, ModelRef
 from stages.core.workspace import stage_dir
 from stages.generation.models import load_policy, load_tokenizer, policy_folder
+from stages.rl.fsdp_merge import find_shards, stream_assembled, write_merged_folder
 from stages.rl.modeling import DTYPES, pick_device
 from stages.rl.probe import max_abs_diff, probe_logprobs, probe_sequences, read_probe
+from stages.rl.shard_writer import partial_folder
 
 log = get_logger(__name__)
 
@@ -80,56 +84,115 @@ def reference_probe(ckpt: CheckpointRef, tokenizer) -> tuple[list[list[int]], li
 
 
 def merge_to_folder(cfg: MergeSection, ckpt: CheckpointRef, model_dir: Path) -> dict:
-    """Write the merged folder (atomically) after two parity checks; returns the report.
+    """Write the merged folder (atomically: built under `<model_dir>.partial`, which a failure removes) after the
+    parity checks; returns the report."""
+    with partial_folder(model_dir) as tmp:
+        merge = _merge_verl if ckpt.format == "verl_fsdp" else _merge_loaded
+        report = merge(cfg, ckpt, tmp)
+    log.info("merged %s checkpoint %s -> %s (%s; parity max |dlogp|: load %.2e, merge %.2e <= %.1e; %s rounding "
+             "moves log-probs by up to %.2e)", ckpt.format, ckpt.path, model_dir, cfg.dtype, report["load_diff"],
+             report["merge_diff"], cfg.parity_atol, cfg.dtype, report["dtype_rounding_diff"])
+    return {"model_dir": str(model_dir), "max_abs_diff": max(report["load_diff"], report["merge_diff"]), **report,
+            "parity_atol": cfg.parity_atol, "dtype": cfg.dtype, "format": ckpt.format}
+
+
+def _merge_loaded(cfg: MergeSection, ckpt: CheckpointRef, tmp: Path) -> dict:
+    """trainer / lora / hf: two checks.
 
     1. the loaded (for LoRA: merged) float32 weights reproduce the trained model's probe log-probs;
     2. the folder written in `cfg.dtype` and loaded back from disk reproduces the same weights rounded to
        `cfg.dtype` (so the tolerance is about the merge, not about the rounding, which is reported).
     """
-    assembled = None
-    if ckpt.format == "verl_fsdp":
-        assembled = model_dir.with_name("verl_assembled")
-        ckpt = assembled_verl_checkpoint(ckpt, assembled)
     tokenizer = load_tokenizer(ckpt)
     sequences, trained, device = reference_probe(ckpt, tokenizer)
     model = load_policy(ckpt, torch.float32, merge_lora=True).to(device)
     loaded = require_parity(trained, probe_logprobs(model, sequences), cfg.parity_atol,
                             f"the {ckpt.format} checkpoint {ckpt.path} loaded in float32")
     dtype = DTYPES[cfg.dtype]
-    with torch.no_grad():  # round the weights once (not buffers such as RoPE frequencies, which are recomputed
-        for param in model.parameters():  # on load); the float32 copy holds exactly the rounded values
-            param.copy_(param.to(dtype).to(torch.float32))
+    round_weights(model, dtype)
     rounded = probe_logprobs(model, sequences)
     model = model.to(dtype).cpu()
-    tmp = model_dir.with_name(model_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     _copy_generation_config(ckpt, tmp)
     del model
     merged = require_parity(rounded, reload_probe(tmp, sequences, device), cfg.parity_atol,
                             f"the merged {cfg.dtype} folder {tmp} loaded back from disk")
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    tmp.replace(model_dir)
-    if assembled is not None:  # a float32 copy of the model (56 GB at 14B); the merged folder replaces it
-        shutil.rmtree(assembled, ignore_errors=True)
-    rounding = max_abs_diff(trained, rounded)
-    log.info("merged %s checkpoint %s -> %s (%s; parity max |dlogp|: load %.2e, merge %.2e <= %.1e; %s rounding "
-             "moves log-probs by up to %.2e)", ckpt.format, ckpt.path, model_dir, cfg.dtype, loaded, merged,
-             cfg.parity_atol, cfg.dtype, rounding)
-    return {"model_dir": str(model_dir), "max_abs_diff": max(loaded, merged), "load_diff": loaded,
-            "merge_diff": merged, "dtype_rounding_diff": rounding, "parity_atol": cfg.parity_atol,
-            "probe_tokens": sum(len(s) - 1 for s in sequences), "dtype": cfg.dtype, "format": ckpt.format}
+    return {"load_diff": loaded, "merge_diff": merged, "dtype_rounding_diff": max_abs_diff(trained, rounded),
+            "probe_tokens": sum(len(s) - 1 for s in sequences)}
 
 
-def assembled_verl_checkpoint(ckpt: CheckpointRef, folder: Path) -> CheckpointRef:
-    """verl's FSDP shards -> a float32 HF folder (config and tokenizer from `<actor>/huggingface`)."""
-    from stages.rl.fsdp_merge import merge_fsdp_shards
+def _merge_verl(cfg: MergeSection, ckpt: CheckpointRef, tmp: Path) -> dict:
+    """verl FSDP shards, streamed into `tmp` in `cfg.dtype` (no float32 folder in between); then one float32 model,
+    the folder loaded back from disk, is the whole memory of the checks.
 
-    merge_fsdp_shards(ckpt.path, folder, dtype=torch.float32)
-    return CheckpointRef(path=str(folder), fingerprint=ckpt.fingerprint, format="hf", base=ckpt.base, step=ckpt.step,
-                         meta={**ckpt.meta, "assembled_from": ckpt.path})
+    verl writes no probe, so the assembled float32 weights are the reference and check 1 holds by definition
+    (`load_diff` 0). Check 2 is the same as for the other formats: the folder loaded back reproduces the assembled
+    weights rounded to `cfg.dtype`, within `cfg.parity_atol` on the probe, and here also bit for bit, tensor by
+    tensor (`put_assembled_weights`).
+    """
+    dtype = DTYPES[cfg.dtype]
+    entries = write_merged_folder(ckpt.path, tmp, dtype=dtype)
+    written = CheckpointRef(path=str(tmp), fingerprint=ckpt.fingerprint, format="hf", base=ckpt.base, step=ckpt.step)
+    tokenizer = load_tokenizer(written)
+    tokenizer.save_pretrained(tmp)  # the base's tokenizer when the run's huggingface/ folder has none
+    sequences, device = probe_sequences(tokenizer), pick_device()
+    # loaded in the folder's own dtype, transformers maps the files rather than copying them; the upcast then goes
+    # parameter by parameter, so the peak is the float32 model alone (a float32 load held it and the mapped files)
+    model = load_policy(written, dtype).to(device=device, dtype=torch.float32)
+    merged = probe_logprobs(model, sequences)
+    put_assembled_weights(model, stream_assembled(find_shards(Path(ckpt.path)), entries), dtype)
+    trained = probe_logprobs(model, sequences)
+    round_weights(model, dtype)
+    rounded = probe_logprobs(model, sequences)
+    del model
+    diff = require_parity(rounded, merged, cfg.parity_atol,
+                          f"the merged {cfg.dtype} folder {tmp} loaded back from disk")
+    return {"load_diff": 0.0, "merge_diff": diff, "dtype_rounding_diff": max_abs_diff(trained, rounded),
+            "probe_tokens": sum(len(s) - 1 for s in sequences), "exact_tensors": len(entries)}
+
+
+@torch.no_grad()
+def put_assembled_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
+                          dtype: torch.dtype) -> None:
+    """Check that each of `model`'s tensors (loaded from the merged folder) equals the assembled one rounded to
+    `dtype`, bit for bit, then put the unrounded assembled values in its place, one tensor at a time."""
+    targets = model.state_dict()
+    for name, tensor in tensors:
+        if name not in targets:
+            raise MergeParityError(f"{name} is in the checkpoint but not in the model loaded from the merged folder")
+        target = targets[name]
+        diff = _rounded_mismatch(target, tensor, dtype)
+        if diff is not None:
+            raise MergeParityError(f"{name} in the merged folder differs from the assembled shards rounded to "
+                                   f"{dtype} (max |diff| {diff:.3e}); the folder was not written completely or was "
+                                   "changed, re-run the merge")
+        target.copy_(tensor)
+
+
+def _rounded_mismatch(stored: torch.Tensor, assembled: torch.Tensor, dtype: torch.dtype,
+                      chunk: int = 2**24) -> float | None:
+    """None when `stored` (the folder's values, upcast) equals `assembled` rounded to `dtype` bit for bit, else
+    the largest difference. Compared in `dtype` (exact: the upcast values came from it), 2^24 elements at a time,
+    so the comparison adds chunks, not copies of the largest tensor (the 14B embedding: 3.1 GB in float32)."""
+    if stored.shape != assembled.shape:
+        return float("inf")
+    cast = dtype if assembled.is_floating_point() else assembled.dtype
+    flat_stored, flat_assembled = stored.reshape(-1), assembled.reshape(-1)
+    for start in range(0, flat_assembled.numel(), chunk):
+        a = flat_stored[start:start + chunk].to(device="cpu", dtype=cast)
+        b = flat_assembled[start:start + chunk].to(cast)
+        if not torch.equal(a, b):
+            return float((a.double() - b.double()).abs().max())
+    return None
+
+
+@torch.no_grad()
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round the parameters to `dtype`, keeping them float32, so probing them measures what the rounding does
+    (not buffers such as RoPE frequencies, which are recomputed on load)."""
+    for param in model.parameters():
+        param.copy_(param.to(dtype).to(torch.float32))
 
 
 def _copy_generation_config(ckpt: CheckpointRef, target: Path) -> None:

@@ -72,6 +72,7 @@ def test_corrupted_checkpoint_fails_the_parity_probe(trainer_checkpoint, tmp_pat
     with pytest.raises(MergeParityError, match=r"loaded in float32 gives max \|logp merged - logp trained\| = .* above"):
         merge_checkpoint(MergeSection(), corrupted, tmp_path / "out")
     assert not list((tmp_path / "out" / "merge").glob("*/_COMPLETE.json"))
+    assert not list((tmp_path / "out" / "merge").glob("*/model*"))  # no model, no half-written model.partial
 
 
 def test_bfloat16_merge_checks_the_merge_not_the_rounding(trainer_checkpoint, tmp_path):

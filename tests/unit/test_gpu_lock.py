@@ -122,7 +122,7 @@ def test_a_gpu_run_without_a_visible_gpu_is_refused_not_measured_in_ram():
     assert resources.verl_device(VerlSection(extra_overrides=["trainer.device=cpu", "+trainer.device='cuda'"])) \
         == "cuda"  # the last override wins, as in Hydra
     cpu_torch = [sys.executable, "-c", "print('{\"kind\": \"cpu\", \"torch\": \"2.11.0+cpu\", \"cuda\": null}')"]
-    with pytest.raises(resources.VerlResourceError, match=r"(?s)sees no GPU.*CPU build.*Fix:.*trainer\.device=cpu"):
+    with pytest.raises(resources.VerlResourceError, match=r"(?s)sees no GPU.*CPU build.*Fix:.*rl\.verl\.cpu_mode: true"):
         resources.device_memory(cpu_torch, device="cuda")
     hidden = [sys.executable, "-c", "print('{\"kind\": \"cpu\", \"torch\": \"2.11.0\", \"cuda\": \"13.0\"}')"]
     with pytest.raises(resources.VerlResourceError, match=r"(?s)is_available\(\) is False.*driver >= 580"):

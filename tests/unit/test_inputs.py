@@ -28,7 +28,7 @@ ALL_STAGES = ["bootstrap", "data", "sft", "rl", "heldout", "infer"]
      "data.train_path=/d/train.parquet is ignored under data.source=synthetic: it is used only with "
      "data.source=parquet. Set data.source=parquet to use it, or remove data.train_path"),
     (["model.path=/models/qwen"], "model.path=/models/qwen is ignored under model.source=pypi_gguf: it is used only "
-                                  "with model.source=hub|local. Set model.source=hub to use it"),
+                                  "with model.source=hub|local|toy. Set model.source=hub to use it"),
     (["sft.lora_rank=16"], "sft.lora_rank=16 is ignored under sft.finetuning_type=full"),
     (["sft.dataset_path=/d/sft.jsonl"], "sft.dataset_path=/d/sft.jsonl is ignored under sft.dataset=teacher"),
     (["agent.search.replay_path=/d/cache.json"], "agent.search.replay_path=/d/cache.json is ignored under "

@@ -273,6 +273,9 @@ def _read_body(response: httpx.Response, max_bytes: int, deadline: float, cut: b
 
 
 def _load_replay(path: str | None) -> dict[str, object]:
+    from stages.core.inputs import resolve
+
+    path = str(resolve(path, project_relative=True)) if path else path   # not the worker's folder: the project's
     if not path or not Path(path).is_file():
         raise FileNotFoundError(f"page replay file {path} does not exist; set agent.search.browse.replay_path to a "
                                 "{url: text} JSON (export_page_cache writes one from a live run's page cache)")

@@ -19,6 +19,7 @@ from stages.agent.search.base import (
     parse_formatted,
 )
 from stages.core.fingerprint import hash_file
+from stages.core.inputs import resolve
 
 
 def _is_results(value: object) -> bool:
@@ -33,7 +34,9 @@ class ReplayBackend(SearchBackend):
     name = "replay"
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        # relative to the project root as everywhere (stages/core/inputs.py), not to the process's working folder:
+        # verl's agent-loop workers run in Ray's (found by the first verl rehearsal)
+        self.path = resolve(str(path), project_relative=True)
         if not self.path.is_file():
             raise FileNotFoundError(f"replay file {self.path} does not exist; set agent.search.replay_path to a "
                                     "{query: result} JSON such as ../shared/data/search_cache.json")

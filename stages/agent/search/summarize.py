@@ -7,7 +7,8 @@ follows one, others elided as `...`; the current query; the pages as `**Web Page
 text after the last `**Final Information**` marker (`**最终信息**` in the Chinese variant), newlines removed, as
 the reference does; without a marker, after `**Modified Reasoning Steps**`, else the whole reply.
 
-The summariser is any OpenAI-compatible endpoint (`agent.search.summarizer.url`), called with the `openai` client
+The summariser is any OpenAI-compatible endpoint (`agent.search.summarizer.url`: a server the user runs, or the one
+the evaluation serves from `agent.search.summarizer.path`, stages/eval/search_mode.py), called with the `openai` client
 and retried with exponential backoff (tenacity); what still fails is a SummaryError (an infrastructure failure of
 the search tool). Summaries are cached in SQLite keyed by (prompt, query, pages, model, sampling).
 """
@@ -148,7 +149,8 @@ class Summarizer:
         from openai import OpenAI
 
         if not cfg.model or not cfg.url:
-            raise ValueError("the summariser needs agent.search.summarizer.model and .url (an OpenAI-compatible …/v1)")
+            raise ValueError("the summariser needs agent.search.summarizer.model and .url (an OpenAI-compatible …/v1); "
+                             "one given as .path is served by the evaluation only, which passes its address here")
         self.cfg, self.language = cfg, language
         key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
         self.client = client or OpenAI(base_url=cfg.url, api_key=key or "EMPTY", timeout=cfg.timeout_s,
@@ -160,7 +162,8 @@ class Summarizer:
     def identity(self) -> str:
         """What writes the summaries (never where it runs): model, prompt and sampling."""
         c = self.cfg
-        return f"{c.model}|{PROMPT_HASHES[self.language]}|{c.temperature}|{c.top_p}|{c.max_tokens}"
+        served = f"|{c.path}" if c.path else ""  # the weights it serves (a served name alone may be reused)
+        return f"{c.model}{served}|{PROMPT_HASHES[self.language]}|{c.temperature}|{c.top_p}|{c.max_tokens}"
 
     def summarize(self, steps: list[str], query: str, documents: str) -> tuple[str, bool]:
         """(summary, cached)."""

@@ -86,9 +86,6 @@ class SearchSection(Section):
         if self.browse.enabled and self.browse.mode == "replay" and not self.browse.replay_path:
             raise ValueError("agent.search.browse.mode=replay needs agent.search.browse.replay_path (a {url: text} "
                              "JSON of recorded pages)")
-        if self.summarizer.model and not self.summarizer.url:
-            raise ValueError("agent.search.summarizer.model needs agent.search.summarizer.url (an OpenAI-compatible "
-                             "…/v1 URL serving that model): the pipeline does not serve the summariser itself yet")
         return self
 
 

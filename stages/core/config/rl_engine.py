@@ -55,6 +55,8 @@ class VerlSection(Section):
         "sdpa", description="attention of the FSDP actor (verl's default flash_attention_2 needs the flash-attn "
         "package, which verl[vllm] does not install; the pre-flight checks it). flash_attention_2 also turns on "
         "verl's remove-padding packing")
+    cpu_mode: bool = Field(False, description="verl on a CPU box (rehearsals, the CPU smoke run): our CPU platform, "
+                           "CPU overrides and environment (stages/rl/verl/cpu_mode.py); refused unless run.device is cpu")
     plugin_modules: list[str] = Field(
         default_factory=list, description="modules imported before our plugin in every verl process "
         "(VERL_USE_EXTERNAL_MODULES), e.g. a verl platform plugin for other hardware")

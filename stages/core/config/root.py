@@ -33,12 +33,21 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _local_engine_fits(self) -> RunConfig:
         """Refuse, before any work, a policy the one-device local RL engine cannot hold (sized from its name)."""
-        params = params_from_name(self.model.name, self.model.path)
+        params = None if self.model.source == "toy" else params_from_name(self.model.name, self.model.path)
         if self.rl.enabled and self.rl.engine == "local" and params is not None:
             problem = local_engine_problem(params, self.rl.local_memory_gb, self.rl.rollout.backend,
                                            self.rl.loss.kl_coef > 0)
             if problem:
                 raise ValueError(f"rl.engine=local with model {self.model.name!r}: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _verl_cpu_mode_on_cpu_only(self) -> RunConfig:
+        """verl's CPU mode (stages/rl/verl/cpu_mode.py) replaces CUDA calls with host ones: never on a GPU run."""
+        if self.rl.verl.cpu_mode and self.run.device != "cpu":
+            raise ValueError(f"rl.verl.cpu_mode is verl on a CPU box (a rehearsal or the CPU smoke run), but "
+                             f"run.device={self.run.device}: set run.device=cpu, or rl.verl.cpu_mode=false for a GPU "
+                             "run")
         return self
 
     @model_validator(mode="after")
@@ -51,6 +60,14 @@ class RunConfig(Section):
             raise ValueError("agent.search.summarizer.model is set but nothing browses (agent.search.browse.enabled "
                              "is false and eval.browse is empty): the summariser reads browsed pages; enable "
                              "browsing, name benchmarks in eval.browse, or unset the summariser")
+        if search.browse.enabled and search.summarizer.served_here:
+            # every stage that runs the agent browses then (SFT teacher, RL rollouts, held-out), and only the
+            # evaluation starts a summariser from `path`
+            raise ValueError(f"agent.search.browse.enabled browses in every stage that runs the agent (SFT teacher, "
+                             f"RL rollouts, held-out), but agent.search.summarizer.path={search.summarizer.path!r} "
+                             "is served by the evaluation only: give agent.search.summarizer.url (a server you run) "
+                             "instead, or browse in evaluation only (agent.search.browse.enabled=false, "
+                             "eval.browse=[<benchmarks>])")
         if browses and not search.browse.enabled:
             try:
                 SearchSection.model_validate(search.model_dump() | {"browse": search.browse.model_dump()

@@ -42,6 +42,7 @@ from stages.data.rl_parquet import SCHEMA
 from stages.generation.models import policy_folder, tokenizer_folder
 from stages.rl.retention import prune_verl_checkpoints
 from stages.rl.step_metrics import plot_curves
+from stages.rl.verl.cpu_mode import CPU_ENV, plugin_modules
 from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, external_modules, verl_overrides
 from stages.rl.verl.monitor import Follower, LiveReport, read_steps
 from stages.rl.verl.parity import check_parity
@@ -232,7 +233,9 @@ def run_main_ppo(overrides: list[str], env: dict[str, str], stage: Path,
 def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
                 stage: Path, cache_root: Path, seed: int = 0, dtype: str = "bfloat16") -> CheckpointRef:
     overrides, paths, rows = prepare(cfg, agent, policy, data, stage, cache_root, seed, dtype)
-    env = plugin_env(Path(paths.settings), cfg.verl.plugin_modules)
+    env = plugin_env(Path(paths.settings), plugin_modules(cfg.verl))
+    if cfg.verl.cpu_mode:   # stages/rl/verl/cpu_mode.py
+        env = {**env, **CPU_ENV}
     resources = preflight(cfg.verl, paths.settings)   # raises with the fix before Ray starts
     found = verify_plugin(sys.executable, env)
     parity = check_parity(str(tokenizer_folder(policy)), [r.messages for r in rows[:PARITY_PROMPTS]])

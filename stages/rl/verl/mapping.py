@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from stages.core.config.rl import RLSection
+from stages.rl.verl.cpu_mode import extra_overrides, plugin_modules
 
 AGG_MODES = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
              "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
@@ -126,7 +127,7 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         "trainer.logger": list(vs.logger), "trainer.project_name": "arpo-pipeline",
         "trainer.experiment_name": paths.experiment, "trainer.val_before_train": False, "trainer.test_freq": -1,
         "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_SETTINGS": paths.settings,
-        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": external_modules(vs.plugin_modules),
+        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": external_modules(plugin_modules(vs)),
         # resources: TransferQueue reserves one Ray CPU per storage unit (pre-flight: resources.py)
         "ray_kwargs.ray_init.num_cpus": vs.ray_num_cpus if not vs.ray_address else None,
         "transfer_queue.backend.SimpleStorage.num_data_storage_units": vs.storage_units,
@@ -139,4 +140,4 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         o["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = tr.micro_batch_size
     if vs.ray_address:
         o["+ray_kwargs.ray_init.address"] = vs.ray_address
-    return [f"{k}={_fmt(v)}" for k, v in o.items()] + list(vs.extra_overrides)
+    return [f"{k}={_fmt(v)}" for k, v in o.items()] + extra_overrides(vs)

@@ -185,7 +185,9 @@ _MEMORY_PROBE = ("import json, torch\n"
 def verl_device(vs: VerlSection) -> str:
     """The device verl trains on: the last `trainer.device=` in rl.verl.extra_overrides, else verl's default
     `cuda` (verl/trainer/config/ppo_trainer.yaml:229)."""
-    found = [o.split("=", 1)[1].strip().strip("'\"") for o in vs.extra_overrides
+    from stages.rl.verl.cpu_mode import extra_overrides
+
+    found = [o.split("=", 1)[1].strip().strip("'\"") for o in extra_overrides(vs)
              if o.split("=", 1)[0].strip().lstrip("+") == "trainer.device" and "=" in o]
     return found[-1] if found else "cuda"
 
@@ -200,8 +202,7 @@ def no_gpu_error(found: Mapping[str, Any]) -> VerlResourceError:
     return VerlResourceError(
         f"verl trains on cuda (trainer.device, verl's default) but {sys.executable} sees no GPU: {cause}. Measuring "
         "the host's RAM instead would size vLLM for the wrong device. Fix: run on the GPU box as above, or for a "
-        "CPU run set run.device: cpu and rl.verl.extra_overrides=[trainer.device=cpu, ...] (docs/rl.md, \"The CPU "
-        "smoke run\")")
+        "CPU run set run.device: cpu and rl.verl.cpu_mode: true (docs/rl.md, \"verl on the CPU\")")
 
 
 def device_memory(probe: Sequence[str] | None = None, timeout_s: float = 180.0, device: str = "cuda") \

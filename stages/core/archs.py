@@ -1,8 +1,9 @@
 """The architectures the shipped profiles train, as their published config.json files state them (docs/plan.md
 "Memory": the source of each row), and the parameter count they imply.
 
-Only what the memory model reads: widths, depths, heads, vocabulary (the logits' width is config.json's
-`vocab_size`, which may exceed the tokenizer's), tied embeddings, q/k/v biases (Qwen2) or q/k norms (Qwen3).
+Only what the memory model and the rehearsals' toy models (stages/bootstrap/toy.py) read: widths, depths, heads,
+vocabulary (the logits' width is config.json's `vocab_size`, which may exceed the tokenizer's), tied embeddings,
+q/k/v biases (Qwen2) or q/k norms (Qwen3), the architecture family and the context length.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class Arch:
     tied: bool = False       # tie_word_embeddings
     qkv_bias: bool = False   # Qwen2: q/k/v projections have biases
     qk_norm: bool = False    # Qwen3: RMSNorm over q and k per head
+    model_type: str = ""     # config.json's model_type (transformers' architecture family)
+    max_positions: int = 0   # max_position_embeddings
 
     @property
     def dim(self) -> int:
@@ -52,10 +55,11 @@ class Arch:
 # name (lower case, "-instruct" dropped) -> config.json (docs/plan.md "Memory" links each file)
 ARCHS: dict[str, Arch] = {
     "qwen2.5-7b": Arch(hidden=3584, layers=28, intermediate=18944, heads=28, kv_heads=4, vocab=152064,
-                       qkv_bias=True),
+                       qkv_bias=True, model_type="qwen2", max_positions=32768),
     "qwen3-14b": Arch(hidden=5120, layers=40, intermediate=17408, heads=40, kv_heads=8, vocab=151936, head_dim=128,
-                      qk_norm=True),
-    "smollm2-135m": Arch(hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, vocab=49152, tied=True),
+                      qk_norm=True, model_type="qwen3", max_positions=40960),
+    "smollm2-135m": Arch(hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, vocab=49152, tied=True,
+                         model_type="llama", max_positions=8192),
 }
 
 

