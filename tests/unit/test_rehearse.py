@@ -5,6 +5,7 @@ failing with their fixes on deliberately broken rehearsals (all before any train
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,7 @@ def test_recorded_results_resolve_from_the_project_root_in_any_working_folder(tm
     from stages.agent.search.replay import ReplayBackend
     from stages.core.env import PROJECT_ROOT
 
-    relative = Path("..") / SHARED_DATA.relative_to(PROJECT_ROOT.parent) / "search_cache.json"
+    recorded = SHARED_DATA / "search_cache.json"
+    relative = os.path.relpath(recorded, PROJECT_ROOT)           # e.g. ../shared/data/search_cache.json
     monkeypatch.chdir(tmp_path)
-    assert ReplayBackend(str(relative)).path == SHARED_DATA / "search_cache.json"
+    assert ReplayBackend(relative).path.resolve() == recorded.resolve()
