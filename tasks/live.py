@@ -117,7 +117,10 @@ def follow_log(path: str | None, what: str) -> None:
     their levels, request lines and repeats summarised every minute."""
     if not path or path in _followers:
         return
-    output = LineForwarder(get_logger("eval.server"), what, full_log=path, summary_every_s=60.0)
+    from stages.eval.serving import VLLM_SHUTDOWN_MARKER
+
+    output = LineForwarder(get_logger("eval.server"), what, full_log=path, summary_every_s=60.0,
+                           teardown_marker=VLLM_SHUTDOWN_MARKER)
     _followers[path] = FileFollower(path, output).start()
 
 

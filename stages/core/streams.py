@@ -43,8 +43,12 @@ class LineForwarder:
     """Feed it a subprocess's output line by line; it logs `<what> | <line>` to `logger` as described above."""
 
     def __init__(self, logger: logging.Logger, what: str, full_log: str | Path | None = None, max_lines: int = 300,
-                 max_chars: int = 2000, summary_every_s: float | None = None, clock=time.monotonic) -> None:
+                 max_chars: int = 2000, summary_every_s: float | None = None, clock=time.monotonic,
+                 teardown_marker: str | None = None) -> None:
+        """`teardown_marker`: a line with which the process announces its own shutdown (one we asked for): errors
+        after it are forwarded at INFO, said once, and stay as they were in the full log."""
         self.logger, self.what, self.full_log, self.max_lines = logger, what, full_log, max_lines
+        self.teardown_marker, self.tearing_down = teardown_marker, False
         self.max_chars = max_chars
         self.summary_every_s, self.clock = summary_every_s, clock
         self.left_out: Counter[str] = Counter()
@@ -78,6 +82,12 @@ class LineForwarder:
         if in_traceback and not line.startswith((" ", "\t", "Traceback")):
             self._in_traceback = False  # the exception line ends the traceback
         level = logging.ERROR if in_traceback else guess_level(line)
+        if self.teardown_marker and not self.tearing_down and self.teardown_marker in line:
+            self.tearing_down = True
+            self.logger.info("%s | shutting down: errors from its own teardown follow at INFO (full log: %s)",
+                             self.what, self.full_log)
+        if self.tearing_down:
+            level = min(level, logging.INFO)
         if not in_traceback:
             key = _CLOCK.sub("", line)
             if key in self._seen:

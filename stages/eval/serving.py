@@ -82,6 +82,13 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
+# vLLM's line when the SIGTERM of stop_server reaches its API server. What it logs after that is its own teardown: in
+# vLLM 0.32 AsyncLLM.shutdown stops the engine core before it cancels its output handler, which then logs
+# "AsyncLLM output_handler failed ... EngineDeadError" as ERROR on every stop (vllm/v1/engine/async_llm.py:296-307).
+# The log forwarder (stages/core/streams.py) shows such lines at INFO; the server's log file keeps them as written.
+VLLM_SHUTDOWN_MARKER = "[shutdown] API server: shutdown triggered"
+
+
 def _log_path(log_dir: Path, backend: str, name: str) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
     return log_dir / f"{backend}-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}.log"

@@ -182,3 +182,23 @@ def test_jsonl_reporter_writes_one_line_per_message(tmp_path):
     sink.handle({"kind": "image", "key": "curves", "path": tmp_path / "c.png"})   # paths become strings
     assert json.loads((tmp_path / "e.jsonl").read_text()) == {"kind": "image", "key": "curves",
                                                                 "path": str(tmp_path / "c.png")}
+
+
+def test_a_servers_own_teardown_errors_are_forwarded_at_info(caplog):
+    from stages.eval.serving import VLLM_SHUTDOWN_MARKER
+
+    out = LineForwarder(logging.getLogger("arpo.test.teardown"), "vllm server", full_log="vllm.log",
+                        teardown_marker=VLLM_SHUTDOWN_MARKER)
+    with caplog.at_level(logging.INFO, logger="arpo.test.teardown"):
+        out.feed("(APIServer pid=1) ERROR 11-27 10:00:00 [serving.py:1] a real error while serving")
+        out.feed(f"(APIServer pid=1) INFO 11-27 10:28:43 [launcher.py:254] {VLLM_SHUTDOWN_MARKER}")
+        out.feed("(APIServer pid=1) ERROR 11-27 10:28:43 [async_llm.py:906] AsyncLLM output_handler failed.")
+        out.feed("Traceback (most recent call last):")
+        out.feed('  File "async_llm.py", line 849, in output_handler')
+        out.feed("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert levels[0][0] == logging.ERROR and "a real error while serving" in levels[0][1]   # before: as announced
+    assert "errors from its own teardown follow at INFO (full log: vllm.log)" in levels[1][1]
+    after = levels[3:]
+    assert len(after) == 4 and all(level == logging.INFO for level, _ in after)
+    assert "EngineDeadError" in after[-1][1]
