@@ -59,7 +59,7 @@ def check_interpreters(cfg: BaseModel, stages: set[str]) -> None:
     stage's task fails with FileNotFoundError after the run has started (and is retried)."""
     run = getattr(cfg, "run", None)
     for stage, python in (getattr(run, "interpreters", None) or {}).items():
-        path = Path(python) if Path(python).is_absolute() else PROJECT_ROOT / python
+        path = resolve(python, project_relative=True)
         if stage in stages and not path.is_file():
             hint = {"rl": " (./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
                           ".venv-verl-cpu)"}.get(stage, "")

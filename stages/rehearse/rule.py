@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.core.env import PROJECT_ROOT
-
 ROLLOUTS = 4          # rollouts per prompt (n)
 PROMPTS = 2           # prompts per RL step
 STEPS = 2             # RL steps: a checkpoint, a resume point, a second update
@@ -274,4 +272,6 @@ def _eval(cfg: Any, present: list[str], change) -> None:
 
 def _exists(path: str | None) -> bool:
     """Relative paths are the project root's, as the stages read them."""
-    return bool(path) and (Path(path) if Path(path).is_absolute() else PROJECT_ROOT / path).exists()
+    from stages.core.inputs import resolve
+
+    return bool(path) and resolve(path, project_relative=True).exists()
