@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from stages.rl.branching import aepo_should_branch, consecutive_rounds, fresh_to_add, plan_branches
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import write_result
+from stages.rl.branching import aepo_should_branch, choose_branches, consecutive_rounds, fresh_to_add
 
 
 @dataclass
@@ -56,7 +61,7 @@ def one_round(args, g: Group, counter: str, draws: str, rng: random.Random) -> i
     c_of = (lambda planned: g.copies + planned) if counter == "copies" else (lambda planned: g.c)
     decide = lambda dh, planned: aepo_should_branch(rng.random(), args.tau, args.w, dh, c_of(planned),  # noqa: E731
                                                     args.penalty)
-    parents = (plan_branches if draws == "fixed" else until_full)(cands, g.n - g.created, args.beam, decide)
+    parents = (choose_branches if draws == "fixed" else until_full)(cands, g.n - g.created, args.beam, decide)
     g.active = [(calls, seen + 1) for calls, seen in g.active] + [(g.active[p][0], 0) for p in parents]
     extra = fresh_to_add(g.n, g.created + len(parents), len(g.active), "one")
     g.active += [(0, 0)] * extra
@@ -98,11 +103,25 @@ def main() -> None:
     print(f"n={args.n} initial={args.initial} call_limit={args.call_limit} p_call={args.p_call} "
           f"sigma={args.sigma} tau={args.tau} w={args.w} penalty={args.penalty}, {args.groups} groups")
     print("| beam | draws | counter | copies / group | fresh roots / group |\n|---|---|---|---|---|")
+    rows = []
     for beam, draws, counter in [(2, "fixed", "consecutive"), (2, "fixed", "batch"), (2, "fixed", "copies"),
                                  (3, "fixed", "consecutive"), (3, "until_full", "consecutive")]:
         args.beam = beam
         copies, fresh = simulate(args, counter, draws, random.Random(args.seed))
         print(f"| {beam} | {draws} | {counter} | {copies:.2f} | {fresh:.2f} |")
+        rows.append([beam, draws, counter, round(copies, 3), round(fresh, 3)])
+    copies = {f"beam{beam}_{draws}_{counter}": c for beam, draws, counter, c, _ in rows}
+    write_result("branch_rules", copies,
+                 summary="copies per group, beam 2: consecutive counter (the default) {beam2_fixed_consecutive:.2f}, "
+                         "the reference's batch counter {beam2_fixed_batch:.2f}, the copies reading "
+                         "{beam2_fixed_copies:.2f}; beam 3: fixed draws {beam3_fixed_consecutive:.2f} vs "
+                         "draw-until-full {beam3_until_full_consecutive:.2f}",
+                 what="the reference's branching rules vs the readings they replaced (a Monte-Carlo over the pure "
+                      "rules, stated trajectory model)",
+                 command="bench/bench_branch_rules.py", details="reference.md#penalty-counter",
+                 conditions={k: v for k, v in vars(args).items() if k != "beam"},
+                 tables={"rows": {"columns": ["beam", "draws", "counter", "copies / group", "fresh roots / group"],
+                                  "rows": rows}})
 
 
 if __name__ == "__main__":

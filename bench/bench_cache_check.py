@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result  # noqa: E402
 from stages.core.manifest import load  # noqa: E402
 from stages.core.workspace import MARKER, verify  # noqa: E402
 
@@ -44,6 +45,14 @@ def main() -> None:
     print(f"{'check':<8}{'s':>8}{'vs full':>10}")
     print(f"{'quick':<8}{quick:>8.3f}{quick / full:>10.4f}")
     print(f"{'full':<8}{full:>8.3f}{1.0:>10.4f}")
+    write_result("cache_check", {"quick_ms": round(quick * 1000, 1), "full_s": round(full, 2), "folders": len(folders),
+                                 "files": len(entries), "gib": round(size / 2**30, 2)},
+                 summary="per-hit check {quick_ms:.0f} ms vs every byte {full_s:.1f} s ({folders} stage folders, "
+                         "{files} files, {gib:.1f} GiB)",
+                 what="checking cached outputs against their manifests: the per-hit check vs every byte (`--verify`), "
+                      "over a whole tiny chain's stage folders",
+                 command="bench/bench_cache_check.py", details="#checking-cached-outputs-benchbench_cache_checkpy",
+                 conditions={"repeats": args.repeats})
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result  # noqa: E402
 from stages.core.codeversion import STAGES, CodeIndex, code_version  # noqa: E402
 
 ENTRIES = ("stages.bootstrap.model", "stages.data.prepare", "stages.sft.stage", "stages.sft.dpo", "stages.rl.stage",
@@ -69,6 +70,14 @@ def main(repeats: int = 5) -> None:
     for name, value in (("cold (no saved index)", cold_s), ("saved index, new process", warm_s),
                         ("in-process cache", hot_s)):
         print(f"{name:32s}  {value * 1000:8.1f} ms  ({value / base:.2f}x)")
+    write_result("code_version", {"cold_ms": round(cold_s * 1000, 1), "saved_ms": round(warm_s * 1000, 1),
+                                  "in_process_ms": round(hot_s * 1000, 3), "raw_bytes_ms": round(base * 1000, 1),
+                                  "modules": files},
+                 summary="cold {cold_ms:.0f} ms, saved index {saved_ms:.0f} ms for the ten stage keys (reading every "
+                         "file's bytes: {raw_bytes_ms:.1f} ms)",
+                 what="the stage keys' code version: cold, and with the saved per-file index in a new process",
+                 command="bench/bench_code_version.py", details="caching.md#the-code-version",
+                 conditions={"repeats": repeats, "keys": list(ENTRIES)})
 
 
 if __name__ == "__main__":

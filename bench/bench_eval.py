@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
@@ -102,7 +103,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from stages.bootstrap import bootstrap_model
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.data import prepare_data
     from stages.eval.serving import serving
 
@@ -130,6 +131,17 @@ def main() -> None:
         (bt, bf, bn), (vt, vf, vn) = cols["transformers"], cols["vllm"]
         print(f"{c:>11} | {bt:>18.1f} {bf:>7.2f} | {vt:>10.1f} {vf:>7.2f} | {vt / bt:>10.2f}x {vf / bf:>9.2f}x"
               f"   (tokens {bn} / {vn})")
+    ratios = {c: (cols["vllm"][0] / cols["transformers"][0], cols["vllm"][1] / cols["transformers"][1])
+              for c, cols in rows.items()}
+    each = range(len(ratios))
+    write_result("eval", {"concurrency": list(ratios), "tok_s_x": [round(t, 2) for t, _ in ratios.values()],
+                          "ttft_x": [round(f, 2) for _, f in ratios.values()], "vllm_startup_s": round(startup, 1)},
+                 summary="at concurrency " + " / ".join(map(str, ratios)) + ": vLLM "
+                         + " / ".join(f"{{tok_s_x[{i}]:.2f}}x" for i in each) + " the tokens/s; time to first token "
+                         + " / ".join(f"{{ttft_x[{i}]:.2f}}x" for i in each),
+                 what="serving: vLLM's server vs the transformers backend, tokens/s and time to first token",
+                 command="bench/bench_eval.py", details="eval.md#throughput-benchbench_evalpy",
+                 conditions={"max_tokens": args.max_tokens, "enforce_eager": config.serve.vllm.enforce_eager})
 
 
 if __name__ == "__main__":

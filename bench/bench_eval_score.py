@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result  # noqa: E402
 from stages.core.env import PROJECT_ROOT, configure_environment  # noqa: E402
 
 configure_environment()
@@ -106,6 +107,16 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwritten to {path}")
+    math, judge = out["math"], out["judge"]
+    write_result("eval_score",
+                 {"judge_concurrency_8_x": judge["concurrency 8"]["speedup"],
+                  "judge_cached_x": judge["cached re-score"]["speedup"],
+                  **{f"math_{k.replace(' ', '_').replace('-', '_')}_x": v["speedup"] for k, v in math.items()}},
+                 summary="judge concurrency 8: {judge_concurrency_8_x:.1f}x; cached re-score {judge_cached_x:.0f}x",
+                 what="scoring: judge concurrency 8 vs 1, a cached re-score; math-verify in process vs its process pool",
+                 command="bench/bench_eval_score.py", details="eval.md#scoring-throughput-benchbench_eval_scorepy",
+                 conditions={"math_items": args.math_items, "judge_items": args.judge_items,
+                             "judge_latency_s": args.judge_latency})
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.results import write_result
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
@@ -96,7 +97,7 @@ def load(args: argparse.Namespace, family: str, algo: str = "grpo"):
 
     import yaml
 
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
 
     steps = [f"rl.trainer.total_steps={args.steps}"] if args.steps else []
     backend = [f"rl.rollout.backend={args.backend}"]
@@ -294,7 +295,34 @@ def main(argv: list[str] | None = None) -> int:
           f"{pool['mean_load']:.1f} on {os.cpu_count()} cores")
     if missing:
         print(f"not finished: {', '.join(missing)}; rerun the same command to continue them")
+    elif root == Path(parse_args([]).root).resolve():  # the experiment, not a smoke run into another root
+        record(args, root, families, (time.time() - start) / 60)
     return 1 if missing else 0
+
+
+def record(args: argparse.Namespace, root: Path, families: list[str], minutes: float) -> None:
+    """Held-out accuracy per family and policy, and the printed tables, as bench/results/learning.json."""
+    figures: dict[str, float] = {"bench_min_this_invocation": round(minutes, 1)}
+    tables, parts = {}, []
+    for family in families:
+        summary = json.loads((root / f"summary-{family}.json").read_text())
+        sft = json.loads(result_path(root, f"{family}/sft").read_text())
+        figures[f"{family}_sft"] = sft["heldout"]["accuracy"]
+        for algo, s in summary["summaries"].items():
+            figures[f"{family}_{algo}"] = round(s["accuracy"]["mean"], 4)
+        parts.append(f"`{family}`: SFT {{{family}_sft:.2f}} -> " + ", ".join(
+            f"{algo.upper()} {{{family}_{algo}:.2f}}" for algo in summary["summaries"]))
+        columns = list(summary["table"][0])
+        tables[family] = {"columns": columns, "rows": [[row[c] for c in columns] for row in summary["table"]]}
+    write_result("learning", figures, summary="held-out accuracy, " + "; ".join(parts),
+                 what="does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, held-out accuracy "
+                      "with paired intervals",
+                 command="bench/bench_learning.py",
+                 details="#does-rl-learn-grpo-arpo-and-aepo-measured-benchbench_learningpy",
+                 conditions={"families": families, "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
+                             "steps": args.steps, "questions": args.questions, "samples": args.samples,
+                             "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs},
+                 tables=tables)
 
 
 if __name__ == "__main__":

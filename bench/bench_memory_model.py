@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_result  # noqa: E402
 from stages.core.archs import Arch  # noqa: E402
 from stages.cost.memory import activation_bytes, logits_bytes  # noqa: E402
 from stages.cost.partition import MicroBatch  # noqa: E402
@@ -89,6 +90,7 @@ def main() -> None:
     arch = json.dumps(vars(ARCH))
     print("| dtype | micro-batch (rows x longest) | path | predicted MiB | measured MiB | measured / predicted |")
     print("|---|---|---|---|---|---|")
+    ratios = []
     for dtype, lengths, path in CASES:
         out = subprocess.run([sys.executable, "-c", CHILD, dtype, json.dumps(lengths), path, arch], cwd=ROOT,
                              capture_output=True, text=True, check=True)
@@ -97,6 +99,14 @@ def main() -> None:
         note = "" if got["measured"] > got["prior_peak_above"] else " (peak before the pass was higher)"
         print(f"| {dtype} | {len(lengths)} x {max(lengths)} ({sum(lengths)} real) | {path} | {want / 2**20:,.0f} | "
               f"{got['measured'] / 2**20:,.0f} | {got['measured'] / want:.2f}{note} |", flush=True)
+        ratios.append(round(got["measured"] / want, 3))
+    write_result("memory_model", {"ratio_min": min(ratios), "ratio_max": max(ratios), "cases": len(ratios),
+                                  "ratios": ratios},
+                 summary="measured / predicted {ratio_min:.2f}-{ratio_max:.2f} over {cases} cases",
+                 what="the memory model's log-prob pass (verl's and our chunked one) at reduced size on CPU: measured "
+                      "RSS vs the prediction",
+                 command="bench/bench_memory_model.py", details="plan.md#checked-on-cpu",
+                 conditions={"cases": [[dtype, lengths, path] for dtype, lengths, path in CASES]})
 
 
 if __name__ == "__main__":

@@ -30,12 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_result  # noqa: E402
+
 CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from stages.core.config.rl import MergeSection
+from stages.core.config.merge import MergeSection
 from stages.core.refs import CheckpointRef
 from stages.rl import fsdp_merge, merge
 from stages.rl.shard_writer import partial_folder
@@ -173,6 +175,21 @@ def main() -> None:
         print(f"| {label} | {r['peak'] / mib:,.0f} ({r['hwm'] / mib:,.0f}) | {above / mib:,.0f} | {above / nbytes:.2f} | "
               f"{(r['written'] - r['imports']) / mib:,.0f} | {r['peak'] / base['peak']:.2f}x | "
               f"{above / (base['peak'] - base['imports']):.2f}x | {r['seconds']:.1f} | {r['files']} |", flush=True)
+    after = results[1][1]
+    write_result("merge_memory",
+                 {"above_imports_x": round((after["peak"] - after["imports"]) / (base["peak"] - base["imports"]), 3),
+                  "after_fp32_copies": round((after["peak"] - after["imports"]) / nbytes, 3),
+                  "before_fp32_copies": round((base["peak"] - base["imports"]) / nbytes, 3),
+                  "peak_x": round(after["peak"] / base["peak"], 3), "params_m": round(nbytes / 4 / 1e6, 1),
+                  "by_run": {label: {k: r[k] for k in ("peak", "hwm", "imports", "written", "seconds", "files")}
+                             for label, r in results}},
+                 summary="streamed {above_imports_x:.2f}x the memory above imports of the in-memory merge "
+                         "({after_fp32_copies:.2f} vs {before_fp32_copies:.2f} float32 model copies; {peak_x:.2f}x the "
+                         "whole RSS), no float32 folder on disk",
+                 what="peak host memory of the verl FSDP merge: streamed vs the in-memory assembly it replaced (a "
+                      "random-init Llama as 2-rank DTensor shards, merged to bfloat16, each in a fresh process)",
+                 command="bench/bench_merge_memory.py", details="rl.md#merge-stagesrlmergepy-stagesrlfsdp_mergepy",
+                 conditions={k: v for k, v in vars(args).items() if k != "build"})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result  # noqa: E402
 from stages.core.env import configure_environment  # noqa: E402
 
 
@@ -48,6 +49,17 @@ def main() -> None:
     for label, seconds in timings.items():
         print(f"{label:<16}{seconds:>10.1f}{seconds / cold:>10.3f}")
     print(f"outputs in {tmp}")
+    write_result("pipeline", {"cold_s": round(cold, 1), "cached_rerun_s": round(timings["cached rerun"], 1),
+                              "cached_verify_s": round(timings["cached --verify"], 1),
+                              "refresh_eval_s": round(timings["refresh eval"], 1)},
+                 summary="cold {cold_s:.0f} s; fully cached rerun {cached_rerun_s:.1f} s in process (the flow alone: "
+                         "no interpreter start or imports, and no model server); the same with `--verify` "
+                         "{cached_verify_s:.1f} s; refresh `eval` {refresh_eval_s:.0f} s",
+                 what="the whole tiny pipeline in one process: cold, fully cached rerun, the same with `--verify`, "
+                      "refresh `eval`",
+                 command="bench/bench_pipeline.py",
+                 conditions={"profile": args.profile, "overrides": args.override,
+                             "server": os.environ.get("PREFECT_API_URL") or "ephemeral"})
 
 
 if __name__ == "__main__":

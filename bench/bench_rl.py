@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
@@ -88,7 +89,7 @@ def worker(args: argparse.Namespace, name: str) -> None:
     import torch
 
     from stages.core.atomic import read_jsonl, write_json
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.rl.trainer import RLTrainer
 
     torch.set_num_threads(1)
@@ -187,8 +188,8 @@ def update_ab(args: argparse.Namespace, repeats: int = 3) -> None:
 
     import torch
 
-    from stages.core.config import load_config
-    from stages.data import read_rl_parquet
+    from stages.core.config.loader import load_config
+    from stages.core.rl_parquet import read_rl_parquet
     from stages.generation.models import load_policy, load_tokenizer
     from stages.generation.prompt_items import build_prompt_items
     from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.update_ab:
         update_ab(args)
         return
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
 
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -247,6 +248,27 @@ def main(argv: list[str] | None = None) -> None:
     results = run_all(args, names)
     (Path(args.root) / "summary.json").write_text(json.dumps(results, indent=1))
     report(results, args)
+    record(results, args)
+
+
+def record(results: dict[str, dict], args: argparse.Namespace) -> None:
+    """The figures the report prints, as bench/results/rl.json."""
+    figures = {f"{name.replace('-', '_')}_{key}": round(r[key], 2) for name, r in results.items()
+               for key in ("step_s", "old_logprob_s", "rollout_s")}
+    base, parts = results.get("before"), []
+    for name, r in results.items():
+        if base and name != "before":
+            figures[f"{name.replace('-', '_')}_step_x"] = round(r["step_s"] / base["step_s"], 3)
+            parts.append(f"{name}: step {{{name.replace('-', '_')}_step_x:.2f}}x of before, old log-probs "
+                         f"{{{name.replace('-', '_')}_old_logprob_s:.0f}} s")
+    summary = ("; ".join(parts) + (" (before: {before_old_logprob_s:.0f} s)" if parts else "")) or \
+        "; ".join(f"{name}: step {{{name.replace('-', '_')}_step_s:.1f}} s" for name in results)
+    write_result("rl", figures, summary=summary,
+                 what=f"one local {args.algo.upper()} step before vs after the speed-ups (old log-probs reused, shared "
+                      "prompts, vLLM rollouts), phase by phase",
+                 command="bench/bench_rl.py", details="rl.md#benchmarks",
+                 conditions={"algo": args.algo, "steps": args.steps, "configs": list(results),
+                             "sequential": args.sequential, "overrides": args.override})
 
 
 if __name__ == "__main__":

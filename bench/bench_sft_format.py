@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result  # noqa: E402
 from stages.core.env import configure_environment, free_cpu_threads  # noqa: E402
 
 METRICS = ("format_valid", "tool_call", "accuracy", "mean_reward")
@@ -47,10 +48,10 @@ def main() -> int:
     torch.set_num_threads(free_cpu_threads())
     from stages.bootstrap import bootstrap_model
     from stages.core.atomic import read_jsonl, write_json
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.data import prepare_data
+    from stages.generation.samples import format_metrics, sample, sampling_section
     from stages.sft import run_sft
-    from stages.sft.rollouts import format_metrics, sample, sampling_section
 
     cfg = load_config(args.profile, args.override)
     root, cache = cfg.run.output_root, cfg.run.cache_root
@@ -82,6 +83,14 @@ def main() -> int:
                           "results": results, "sampling_seconds": seconds, "sft_checkpoint": sft.path,
                           "sft_metrics": sft.meta.get("metrics", {})})
     print(f"written {args.out}")
+    write_result("sft_format", {f"{metric}_{name}": round(results[name][metric], 3) for metric in METRICS
+                                for name in ("base", "sft")},
+                 summary="valid format {format_valid_base:.2f} -> {format_valid_sft:.2f}, tool use {tool_call_base:.2f} "
+                         "-> {tool_call_sft:.2f}, accuracy {accuracy_base:.2f} -> {accuracy_sft:.2f}",
+                 what="base vs SFT model on held-out tasks with real tools",
+                 command="bench/bench_sft_format.py", details="sft.md#measured-on-the-tiny-profile-cpu",
+                 conditions={"profile": args.profile, "overrides": args.override, "questions": len(tasks),
+                             "kinds": kinds, "max_new_tokens": args.max_new_tokens})
     return 0
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
@@ -39,6 +40,7 @@ SNIPPETS = {
                    "print(round(float(np.linalg.det(m)), 3), sp.factorint(2**20 - 1))",
 }
 SEARCH_CACHE = PROJECT_ROOT.parent / "shared" / "data" / "search_cache.json"
+FIGURES: dict[str, float] = {}  # what the run measured, for bench/results/tools.json
 
 
 def pct(values: list[float], q: float) -> float:
@@ -143,10 +145,16 @@ def bench_python(repeats: int, callers: int, calls: int) -> None:
                     result = box.run(snippet)
                     assert result.ok, result.text
                 box.run(code)  # first call of a snippet pays its lazy imports in the warm parent's copy
-                print(row(f"sandbox {mode}, 1 caller", [timed(run, code) for _ in range(repeats)], base_alone))
-                print(mean_row(f"sandbox {mode}, {callers} callers", concurrently(run, code, callers, calls),
-                               base_loaded, base_alone))
+                one = [timed(run, code) for _ in range(repeats)]
+                print(row(f"sandbox {mode}, 1 caller", one, base_alone))
+                loaded_box = concurrently(run, code, callers, calls)
+                print(mean_row(f"sandbox {mode}, {callers} callers", loaded_box, base_loaded, base_alone))
                 cpu = cpu_per_call(box, run, code, repeats)
+                key, mean = f"{label.replace('+', '_')}_{mode}", sum(loaded_box) / len(loaded_box)
+                FIGURES.update({f"{key}_alone_x": round(pct(one, 0.5) / base_alone, 4),
+                                f"{key}_loaded_x": round(mean / base_loaded, 4),
+                                f"{key}_loaded_vs_alone_x": round(mean / base_alone, 4),
+                                f"{key}_cpu_ms": round(cpu * 1000, 1)})
                 print(f"  {'':<40} CPU per call {cpu * 1000:.1f} ms (sandbox processes + host): on an idle machine "
                       f"{callers} callers on {os.cpu_count()} cores would wait about "
                       f"{callers * cpu / os.cpu_count() * 1000:.0f} ms")
@@ -216,11 +224,13 @@ def bench_bm25(n_queries: int) -> None:
             backend.search(q, 10)
             single.append(time.perf_counter() - start)
         print(row("BM25Backend.search", single, base))
+        FIGURES["bm25_search_x"] = round(pct(single, 0.5) / base, 4)
         start = time.perf_counter()
         backend.batch_search(queries, 10)
         per_query = (time.perf_counter() - start) / len(queries)
         print(f"  {'BM25Backend.batch_search':<34} mean {per_query * 1000:8.2f} ms/query"
               f"   vs baseline p50 {per_query / base:8.3f}x")
+        FIGURES["bm25_batch_x"] = round(per_query / base, 4)
 
 
 def main() -> None:
@@ -238,6 +248,20 @@ def main() -> None:
         bench_bm25(args.queries)
     print(f"\nmachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared machine: "
           "absolute times vary, ratios less)")
+    parts = []
+    if "numpy_sympy_bwrap_alone_x" in FIGURES:
+        parts.append("numpy+sympy snippet, bwrap sandbox: 1 caller {numpy_sympy_bwrap_alone_x:.3f}x the naive; "
+                     f"{args.callers} concurrent callers "
+                     "{numpy_sympy_bwrap_loaded_x:.3f}x the naive under the same load "
+                     "({numpy_sympy_bwrap_loaded_vs_alone_x:.2f}x the naive alone; {numpy_sympy_bwrap_cpu_ms:.0f} ms "
+                     "CPU per call)")
+    if "bm25_search_x" in FIGURES:
+        parts.append("BM25 search {bm25_search_x:.2f}x")
+    if parts:  # both halves skipped: nothing measured, the last result stays
+        write_result("tools", FIGURES, summary="; ".join(parts),
+                     what="python sandbox (warm parent, fresh namespaces per call) vs a naive `python -c`, 1 and "
+                          f"{args.callers} concurrent callers; bm25s vs plain-Python BM25",
+                     command="bench/bench_tools.py", details="agent.md#benchmarks", conditions=vars(args))
 
 
 if __name__ == "__main__":

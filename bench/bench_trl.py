@@ -12,7 +12,7 @@ environment that sees the main one's packages and adds only trl:
     .venv-trl/bin/pip install --no-deps trl==0.29.1
 
 (Under `.venv/bin/python` the bench runs trl 0.24.0 with two shims, as before.) Both train SmolLM2-135M-Instruct
-(the tiny profile's model) with plain GRPO, no tools (our engine's call limit is 0), on the same synthetic
+(the tiny profile's model) with plain GRPO, no tools (our local engine's call limit is 0), on the same synthetic
 questions, group size, completion budget, lr, one PPO epoch, no KL / reference model, token-mean loss (TRL's
 `dapo`), one optimizer step per RL step, fp32 on CPU, one thread, and the same batch reward function (the
 fraction of vowels among the completion's letters: it varies between samples, so both produce real gradients).
@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
@@ -54,10 +55,10 @@ def bench_vowels(responses: list[str], ground_truths: list[str], abilities: list
 
 def setup(args):
     from stages.bootstrap import bootstrap_model
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.data import prepare_data
 
-    overrides = ["rl.algorithm=grpo", "rl.rollout.strategy=grpo", f"rl.rollout.n={args.group}",
+    overrides = ["rl.algorithm=grpo", f"rl.rollout.n={args.group}",
                  f"rl.rollout.initial_rollouts={args.group}", f"rl.trainer.train_batch_size={args.prompts}",
                  f"rl.trainer.ppo_mini_batch_size={args.prompts}",
                  f"rl.trainer.micro_batch_size={args.prompts * args.group}",
@@ -98,7 +99,7 @@ def run_trl(cfg, model, data, args, workdir: Path) -> list[dict]:
     trl_compat()
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages.data import read_rl_parquet
+    from stages.core.rl_parquet import read_rl_parquet
 
     rows = read_rl_parquet(data.file("rl_train"))[: args.prompts * args.steps]
     dataset = Dataset.from_list([{"prompt": r.messages} for r in rows])
@@ -171,6 +172,14 @@ def main() -> None:
     print(f"ratio ours/TRL: step time {ours['step'] / theirs['step']:.2f}x, time per completion token "
           f"{(ours['step'] / ours['tokens']) / (theirs['step'] / theirs['tokens']):.2f}x "
           f"(P={args.prompts} prompts x G={args.group}, {args.max_new} new tokens max, {args.steps} steps)")
+    write_result("trl", {"step_x": round(ours["step"] / theirs["step"], 3),
+                         "token_x": round((ours["step"] / ours["tokens"]) / (theirs["step"] / theirs["tokens"]), 3),
+                         "ours_step_s": round(ours["step"], 2), "trl_step_s": round(theirs["step"], 2),
+                         "trl": version("trl")},
+                 summary="{step_x:.2f}x TRL {trl}'s step time ({token_x:.2f}x per completion token)",
+                 what="our GRPO step vs TRL's `GRPOTrainer` on the same model and prompts",
+                 command="bench/bench_trl.py", details="rl.md#benchmarks",
+                 conditions={**vars(args), "transformers": version("transformers"), "torch": torch.__version__})
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from stages.core.errors import InputError
-    from stages.core.plan import PlanError
+    from stages.core.selection import SelectionError
 
     try:
         return args.handler(args) or 0
-    except (InputError, PlanError) as err:  # bad config or data: the message says what to fix, no traceback
+    except (InputError, SelectionError) as err:  # bad config or data: the message says what to fix, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
     except ServerLost as err:
@@ -66,11 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "180; 0 = never)")
     server.set_defaults(handler=cmd_server)
 
-    plan = sub.add_parser("plan", help="what a run will cost before it starts: prompts, tokens, tool and search "
+    cost_plan = sub.add_parser("plan", help="what a run will cost before it starts: prompts, tokens, tool and search "
                           "calls per step and per run, search price, device-hours (docs/plan.md)")
-    _config_args(plan)
-    plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    plan.set_defaults(handler=cmd_plan)
+    _config_args(cost_plan)
+    cost_plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    cost_plan.set_defaults(handler=cmd_plan)
 
     stages = sub.add_parser("stages", help="list the pipeline stages in order")
     stages.set_defaults(handler=cmd_stages)
@@ -100,7 +100,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_stages(args: argparse.Namespace) -> int:
-    from stages.core.plan import GROUPS, STAGES
+    from stages.core.selection import GROUPS, STAGES
 
     print(" -> ".join(STAGES))
     print("groups: " + ", ".join(f"{name} = {'+'.join(members)}" for name, members in GROUPS.items()))
@@ -108,7 +108,7 @@ def cmd_stages(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from stages.core.config import load_config, to_yaml
+    from stages.core.config.loader import load_config, to_yaml
 
     cfg = load_config(args.profile, args.override)
     if args.card:
@@ -123,7 +123,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.cost import plan_run, render_markdown
 
     estimate = plan_run(load_config(args.profile, args.override))
@@ -157,22 +157,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace) -> dict:
     """Check everything that can be checked before work starts, then run the flow (`arpo run`, `arpo rehearse`);
     returns the flow's summary."""
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.core.env import free_cpu_threads
-    from stages.core.plan import make_plan
+    from stages.core.selection import select_stages
 
     cfg = load_config(profile, overrides)  # fail fast on config errors
-    plan = make_plan(args.only, args.until, args.refresh, args.refresh_from)
-    from stages.core.inputs import check_inputs
+    selection = select_stages(args.only, args.until, args.refresh, args.refresh_from)
+    from stages.core.input_check import check_inputs
 
-    check_inputs(cfg, plan.run)  # and on missing, unreadable or malformed input files
-    from stages.sft.seam_preflight import preflight_seams
+    check_inputs(cfg, selection.run)  # and on missing, unreadable or malformed input files
+    from stages.rehearse.seam_preflight import preflight_seams
 
-    preflight_seams(cfg, plan.run)  # and where SFT, RL and eval would tokenize differently (docs/seams.md)
+    preflight_seams(cfg, selection.run)  # and where SFT, RL and eval would tokenize differently (docs/seams.md)
     from stages.cost.memory import check_memory
 
-    check_memory(cfg, plan.run)  # and on a verl run whose memory estimate exceeds the GPU (docs/plan.md)
-    if plan.runs("infer") and cfg.eval.enabled:
+    check_memory(cfg, selection.run)  # and on a verl run whose memory estimate exceeds the GPU (docs/plan.md)
+    if selection.runs("infer") and cfg.eval.enabled:
         from stages.eval.benchmarks import check_benchmarks
 
         check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root, cfg.eval.max_questions)  # and benchmark files
@@ -182,7 +182,7 @@ def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace) -
     torch.set_num_threads(cfg.run.torch_threads or free_cpu_threads())
     from flows.pipeline import pipeline
 
-    print(f"profile {cfg.profile}: {plan.describe()}")
+    print(f"profile {cfg.profile}: {selection.describe()}")
     try:
         summary = pipeline(profile=profile, overrides=overrides, only=args.only, until=args.until,
                            refresh=args.refresh, refresh_from=args.refresh_from, verify=args.verify)

@@ -1,7 +1,7 @@
-"""The whole chain as one Prefect flow: bootstrap -> data -> SFT -> RL -> merge -> heldout -> serve -> infer -> score
--> report.
+"""The whole chain as one Prefect flow: data -> bootstrap -> SFT (+ DPO) -> RL -> merge -> heldout -> serve -> infer
+-> score -> report (the order of stages.core.stage_spec.STAGE_SPECS).
 
-Only wiring lives here: every step is a task from tasks/ (cached, retried), the plan says which run and which are
+Only wiring lives here: every step is a task from tasks/ (cached, retried), the stage selection says which run and which are
 forced to recompute, and servers are torn down in `finally` even when a step fails. The inputs the config names are
 checked before any task (stages.core.inputs), and the data stage runs before the model bootstrap: a bad data file
 fails in seconds, before a model is downloaded or converted.
@@ -14,9 +14,10 @@ from typing import Any
 from prefect import flow
 
 from flows.evaluate import FANOUT
-from stages.core.config import Override, Profile, load_config
-from stages.core.inputs import check_inputs, check_rl_rows
-from stages.core.plan import StageName, make_plan
+from stages.core.config.loader import Override, Profile, load_config
+from stages.core.input_check import check_inputs
+from stages.core.inputs import check_rl_rows
+from stages.core.selection import StageName, select_stages
 from stages.eval.benchmarks import check_benchmarks
 from tasks.bootstrap import bootstrap_task
 from tasks.common import run_stage
@@ -38,63 +39,68 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
     comes from cache); refresh / refresh_from: recompute these stages (and, for refresh_from, all after it);
     verify: check every byte of each cached output before it is reused (else sizes and small files)."""
     cfg = load_config(profile, overrides or [])  # a bad key fails here, before any work
-    plan = make_plan(only, until, refresh, refresh_from)
-    check_inputs(cfg, plan.run)  # so does a missing or malformed input file
-    if plan.runs("infer") and cfg.eval.enabled:
+    selection = select_stages(only, until, refresh, refresh_from)
+    check_inputs(cfg, selection.run)  # so does a missing or malformed input file
+    if selection.runs("infer") and cfg.eval.enabled:
         check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root, cfg.eval.max_questions)  # and benchmark files
     root, cache = cfg.run.output_root, cfg.run.cache_root
-    run_dir = record_config_task(cfg, plan.describe())
+    run_dir = record_config_task(cfg, selection.describe())
     cost_plan_task(cfg, run_dir)  # what the run will cost, before it starts (arpo plan)
     refs: dict[str, Any] = {}
-    if plan.runs("data"):
-        refs["data"] = data = run_stage(data_task, plan, "data", cfg.data, root)
-        if plan.runs("rl"):
+    if selection.runs("data"):
+        refs["data"] = data = run_stage(data_task, selection, "data", cfg.data, root)
+        if selection.runs("rl"):
             check_rl_rows(cfg.rl, data)  # a train set smaller than a batch fails now, not after SFT
-    refs["bootstrap"] = base = model = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, root, cache)
+    if not selection.runs("bootstrap"):  # `--until data` checks the data without fetching a model
+        return summary_task(run_dir, refs)
+    refs["bootstrap"] = base = model = run_stage(bootstrap_task, selection, "bootstrap", cfg.model, root, cache)
     python = cfg.run.python_for  # per-stage interpreter (run.interpreters), None = this process
-    if plan.runs("sft"):
-        refs["sft"] = policy = run_stage(sft_task, plan, "sft", cfg.sft, cfg.agent, model, data, root, cache,
+    if selection.runs("sft"):
+        refs["sft"] = policy = run_stage(sft_task, selection, "sft", cfg.sft, cfg.agent, model, data, root, cache,
                                          python=python("sft"))
         if cfg.sft.dpo.enabled:  # self-critic DPO belongs to the SFT stage: refreshed with it
-            refs["dpo"] = policy = run_stage(dpo_task, plan, "sft", cfg.sft, cfg.agent, policy, data, root,
+            refs["dpo"] = policy = run_stage(dpo_task, selection, "sft", cfg.sft, cfg.agent, policy, data, root,
                                              cache, python=python("dpo"))
-    if plan.runs("rl"):
-        refs["rl"] = policy = run_stage(rl_task, plan, "rl", cfg.rl, cfg.agent, policy, data, root, cache,
+    if selection.runs("rl"):
+        refs["rl"] = policy = run_stage(rl_task, selection, "rl", cfg.rl, cfg.agent, policy, data, root, cache,
                                         seed=cfg.run.seed, dtype=cfg.model.dtype, python=python("rl"))
-    if plan.runs("merge"):
-        refs["merge"] = policy = run_stage(merge_task, plan, "merge", cfg.merge, policy, root,
+    if selection.runs("merge"):
+        refs["merge"] = policy = run_stage(merge_task, selection, "merge", cfg.merge, policy, root,
                                            python=python("merge"))
     gains = {}
-    if plan.runs("heldout") and cfg.eval.stage_gains.enabled:  # what each stage bought, on one held-out split
+    if selection.runs("heldout") and cfg.eval.stage_gains.enabled:  # what each stage bought, on one held-out split
         policies = {"base": base, "sft": refs.get("dpo", refs.get("sft")), "rl": refs.get("merge")}
-        gains = {label: run_stage(heldout_task, plan, "heldout", cfg.eval.stage_gains, cfg.agent, ref, data, root,
+        gains = {label: run_stage(heldout_task, selection, "heldout", cfg.eval.stage_gains, cfg.agent, ref, data, root,
                                   cache, label=label) for label, ref in policies.items() if ref is not None}
         refs.update({f"heldout-{label}": ref for label, ref in gains.items()})
-    if plan.runs("infer") and cfg.eval.enabled:
-        refs.update(evaluate(cfg, plan, policy, data, run_dir, gains))
+    if selection.runs("infer") and cfg.eval.enabled:
+        refs.update(evaluate(cfg, selection, policy, data, run_dir, gains))
     return summary_task(run_dir, refs)
 
 
-def evaluate(cfg: Any, plan: Any, model: Any, data: Any, run_dir: str, gains: dict[str, Any]) -> dict[str, Any]:
+def evaluate(cfg: Any, selection: Any, model: Any, data: Any, run_dir: str, gains: dict[str, Any]) -> dict[str, Any]:
     """Serve the policy (and the judge, the summariser), fan inference + scoring out per benchmark, report; always
     tear down."""
     endpoints = []
     try:
-        # a cached rerun starts no server: the planned endpoints carry the identity the cache keys hash
-        needs = serving_needs_task(cfg, model, data, sorted(plan.refresh), plan.runs("score"))
-        endpoint = serve_task(cfg.serve, model, run_dir) if needs.policy else needs.policy_endpoint
+        # a cached rerun starts no server: the expected endpoints carry the identity the cache keys hash
+        needs = serving_needs_task(cfg, model, data, sorted(selection.refresh), selection.runs("score"))
+        gpus = needs.gpus  # each vLLM server's GPUs, checked before any starts (stages/eval/placement.py)
+        endpoint = serve_task(cfg.serve, model, run_dir, gpus.get("policy")) if needs.policy else needs.policy_endpoint
         endpoints.append(endpoint)
-        judge = judge_serve_task(cfg.eval.judge, endpoint, run_dir) if needs.judge else needs.judge_endpoint
+        judge = judge_serve_task(cfg.eval.judge, endpoint, run_dir, gpus.get("judge")) if needs.judge else \
+            needs.judge_endpoint
         if judge is not None and judge.url != endpoint.url:
             endpoints.append(judge)
-        summarizer = summarizer_serve_task(cfg.agent.search.summarizer, run_dir) if needs.summarizer else None
+        summarizer = summarizer_serve_task(cfg.agent.search.summarizer, run_dir, gpus.get("summarizer")) \
+            if needs.summarizer else None
         if summarizer is not None:
             endpoints.append(summarizer)
         fanout = FANOUT[cfg.eval.fanout](cfg)
-        out = fanout(cfg, model, data, endpoint, judge, sorted(plan.refresh), plan.runs("score"), needs.retry,
+        out = fanout(cfg, model, data, endpoint, judge, sorted(selection.refresh), selection.runs("score"), needs.retry,
                      summarizer)
-        if plan.runs("report"):
-            out["report"] = run_stage(report_task, plan, "report", cfg.eval, out["score"], cfg.run.output_root,
+        if selection.runs("report"):
+            out["report"] = run_stage(report_task, selection, "report", cfg.eval, out["score"], cfg.run.output_root,
                                       gains=gains)
         return out
     finally:

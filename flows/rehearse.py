@@ -4,13 +4,13 @@ rehearsal's overrides, the report."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 
 from flows.pipeline import pipeline
-from stages.core.config import Override, Profile
-from stages.core.plan import StageName, make_plan
+from stages.core.config.loader import Override, Profile
+from stages.core.selection import StageName, select_stages
 from stages.rehearse.rule import Offline
 from tasks.rehearse import rehearsal_prepare_task, rehearsal_report_task
 
@@ -18,12 +18,13 @@ from tasks.rehearse import rehearsal_prepare_task, rehearsal_report_task
 @flow(name="arpo-rehearse", log_prints=True)
 def rehearse(profile: Profile = "arpo-qwen2.5-7b-reasoning", overrides: list[Override] | None = None,
              search_replay: str | None = None, page_replay: str | None = None, engine: str | None = None,
-             until: StageName | None = None) -> dict[str, Any]:
+             judge: Literal["rule", "policy"] = "rule", until: StageName | None = None) -> dict[str, Any]:
     """profile: the profile to rehearse; overrides: key.sub=value, applied before the rehearsal's changes;
     search_replay / page_replay: recorded search results / pages standing in for the network; engine: local | verl
-    instead of the profile's; until: the last stage to run."""
-    plan = make_plan([], until, [], None)
-    prepared = rehearsal_prepare_task(profile, overrides or [], Offline(search_replay, page_replay, engine),
-                                      list(plan.run))
+    instead of the profile's; judge: rule (rule metrics only) or policy (the served toy policy judges); until: the
+    last stage to run."""
+    selection = select_stages([], until, [], None)
+    prepared = rehearsal_prepare_task(profile, overrides or [], Offline(search_replay, page_replay, engine, judge),
+                                      list(selection.run))
     summary = pipeline(profile=profile, overrides=prepared.overrides, until=until)
     return {**summary, "rehearsal": rehearsal_report_task(prepared, summary)}

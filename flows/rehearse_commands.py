@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction, config_args, stage_args) -> None:
                           "browsing (without it, browsing is off in the rehearsal)")
     rehearse.add_argument("--engine", choices=["local", "verl"], help="rehearse on this RL engine instead of the "
                           "profile's (recorded as a swap)")
+    rehearse.add_argument("--judge", choices=["rule", "policy"], default="rule", help="rule: score with rule "
+                          "metrics only (default); policy: the served toy policy stands in for the profile's judge, "
+                          "so the judge's path runs (its verdicts are noise)")
     rehearse.add_argument("--dry-run", action="store_true", help="print the changes, build the toy model and run the "
                           "seam checks; train nothing")
     rehearse.set_defaults(handler=cmd_rehearse)
@@ -28,13 +31,13 @@ def register(sub: argparse._SubParsersAction, config_args, stage_args) -> None:
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from flows.cli import run_pipeline
-    from stages.core.plan import make_plan
+    from stages.core.selection import select_stages
     from stages.rehearse.rule import Offline
     from stages.rehearse.run import finish, prepare
 
-    plan = make_plan(args.only, args.until, args.refresh, args.refresh_from)
-    prepared = prepare(args.profile, args.override, Offline(args.search_replay, args.page_replay, args.engine),
-                       plan.run, announce=show)
+    selection = select_stages(args.only, args.until, args.refresh, args.refresh_from)
+    prepared = prepare(args.profile, args.override, Offline(args.search_replay, args.page_replay, args.engine, args.judge),
+                       selection.run, announce=show)
     print("seam checks: " + ("; ".join(f"{r.name} ok" for r in prepared.seams) if prepared.seams else "not run"))
     if args.dry_run:
         return 0

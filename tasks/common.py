@@ -44,6 +44,7 @@ from stages.core.errors import DeterministicError, InputError
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import Ref
+from stages.core.stage_spec import SPECS
 from stages.core.workspace import MARKER, discard_if_damaged, stage_path, verify
 from tasks import live
 
@@ -148,8 +149,14 @@ def retryable(task_: Task, task_run: TaskRun, state: State) -> bool:
 
 def stage_task(stage: str, key: KeyFn | None = None, retries: int = 1, retry_delay_seconds: float = 5,
                tags: tuple[str, ...] = (), timeout_seconds: float | None = None) -> Callable[[Callable[..., R]], Task]:
-    """Decorator for a stage task: cached on the stage's key function `key` (no cache without one), results
-    persisted, idempotent so retried (unless the error is a DeterministicError)."""
+    """Decorator for the task of the stage `stage` (a line of stages.core.stage_spec.STAGE_SPECS): cached on the
+    key function the table names, results persisted, idempotent so retried (unless the error is a
+    DeterministicError). The task's name is the stage's, as is its output folder. `key` is for a task outside the
+    table (a test's probe): its own key function, or none (no cache)."""
+    from stages.core.isolate import resolve
+
+    if key is None and stage in SPECS:
+        key = resolve(SPECS[stage].key)
     policy = StageKey(stage=stage, key_fn=key) if key is not None else NO_CACHE
 
     def decorate(fn: Callable[..., R]) -> Task:
@@ -199,11 +206,11 @@ def call_stage(target: str, python: str | None, **kwargs: Any) -> Any:
     return resolve(target)(**kwargs)
 
 
-def run_stage(stage_task_: Task, plan: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
-    """Call a stage task, recomputing it (cache entry overwritten, stage folder wiped) when the plan says so."""
-    return refreshed(stage_task_, plan.refreshes(stage))(*args, **kwargs)
+def run_stage(stage_task_: Task, selection: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a stage task, recomputing it (cache entry overwritten, stage folder wiped) when the stage selection says so."""
+    return refreshed(stage_task_, selection.refreshes(stage))(*args, **kwargs)
 
 
-def submit_stage(stage_task_: Task, plan: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
+def submit_stage(stage_task_: Task, selection: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
     """Like run_stage, but submitted to the flow's task runner (for fan-out); returns a future."""
-    return refreshed(stage_task_, plan.refreshes(stage)).submit(*args, **kwargs)
+    return refreshed(stage_task_, selection.refreshes(stage)).submit(*args, **kwargs)

@@ -10,7 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from stages.core.atomic import write_json, write_text
-from stages.core.config import RunConfig
+from stages.core.config.loader import RunConfig
 from stages.cost import plan_run, render_markdown
 from tasks.artifacts import publish_markdown
 

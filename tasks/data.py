@@ -3,12 +3,11 @@ from __future__ import annotations
 from stages.core.config.data import DataSection
 from stages.core.refs import DatasetRef
 from stages.data import prepare_data
-from stages.data.prepare import data_key
 from tasks.artifacts import publish_table
 from tasks.common import forced, stage_task
 
 
-@stage_task("data", data_key)
+@stage_task("data")
 def data_task(cfg: DataSection, output_root: str) -> DatasetRef:
     ref = prepare_data(cfg, output_root, force=forced())
     publish_table("data-files", [{"role": role, "path": path} for role, path in ref.files.items()],

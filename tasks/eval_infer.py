@@ -14,13 +14,13 @@ from typing import Any
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import EvalSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
-from stages.eval.inference import infer_key, run_inference
+from stages.eval.inference import run_inference
 from tasks.artifacts import publish_table
 from tasks.common import forced, refreshed, stage_task
 from tasks.secrets import export_search_key
 
 
-@stage_task("eval-infer", infer_key)
+@stage_task("infer")
 def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef, endpoint: EndpointRef,
            data: DatasetRef, output_root: str, cache_root: str, retry: bool = False,
            summarizer: EndpointRef | None = None) -> PredictionsRef:
@@ -32,13 +32,13 @@ def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRe
     return ref
 
 
-infer_task = _infer.with_options(task_run_name="eval-infer-{benchmark}")
+infer_task = _infer.with_options(task_run_name="infer-{benchmark}")
 
 
-def submit_infer(plan: Any, retry: list[str], cfg: EvalSection, agent: AgentSection, benchmark: str,
+def submit_infer(selection: Any, retry: list[str], cfg: EvalSection, agent: AgentSection, benchmark: str,
                  *args: Any, summarizer: EndpointRef | None = None) -> Any:
-    """Submit one benchmark's inference: recomputed when the plan refreshes `infer`; run again without a wipe
+    """Submit one benchmark's inference: recomputed when the stage selection refreshes `infer`; run again without a wipe
     (only its infra-failed samples) when it is in `retry`. `summarizer`: the served summariser's endpoint."""
-    again = benchmark in retry and not plan.refreshes("infer")
-    return refreshed(infer_task, plan.refreshes("infer") or again).submit(cfg, agent, benchmark, *args, retry=again,
+    again = benchmark in retry and not selection.refreshes("infer")
+    return refreshed(infer_task, selection.refreshes("infer") or again).submit(cfg, agent, benchmark, *args, retry=again,
                                                                           summarizer=summarizer)

@@ -9,22 +9,22 @@ from prefect.futures import PrefectFuture, as_completed
 
 from stages.core.config.eval import EvalSection
 from stages.core.refs import EndpointRef, PredictionsRef, Ref, ScoresRef
-from stages.eval.report import build_report, progress_rows, report_key
-from stages.eval.scoring import score_predictions, scoring_key
+from stages.eval.report import build_report, progress_rows
+from stages.eval.scoring import score_predictions
 from tasks.artifacts import publish_markdown, publish_table
 from tasks.common import forced, stage_task
 
 
-@stage_task("eval-score", scoring_key)
+@stage_task("score")
 def _score(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRef | None, output_root: str,
            cache_root: str) -> ScoresRef:
     return score_predictions(cfg, preds, judge, output_root, cache_root, force=forced())
 
 
-score_task = _score.with_options(task_run_name="eval-score")
+score_task = _score.with_options(task_run_name="score")
 
 
-@stage_task("eval-report", report_key)
+@stage_task("report")
 def report_task(cfg: EvalSection, scores: list[ScoresRef], output_root: str,
                 gains: dict[str, ScoresRef] | None = None) -> Ref:
     ref = build_report(cfg, scores, output_root, gains=gains, force=forced())

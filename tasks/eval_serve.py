@@ -10,6 +10,7 @@ kills it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -19,41 +20,60 @@ from stages.core.config.browse import SummarizerSection
 from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
+from stages.eval.placement import describe, gpu_count, placement_rows, plan_gpus, served_sections, visible_gpus
 from stages.eval.reuse import ServingNeeds, serving_needs
 from stages.eval.serving import endpoint_info, start_judge, start_server, start_summarizer, stop_server
+from stages.eval.vllm_cmd import with_devices
 from tasks.artifacts import publish_table
 from tasks.live import follow_log, unfollow_log
 
 
 @task(name="serving-needs", cache_policy=NO_CACHE, persist_result=False)
 def serving_needs_task(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str], score: bool) -> ServingNeeds:
-    """Which servers this run must start: none when every prediction (and judged score) is already on disk."""
+    """Which servers this run must start (none when every prediction and judged score is already on disk), and on
+    which GPUs: checked here, before any server starts (stages/eval/placement.py)."""
     needs = serving_needs(cfg, model, data, refresh, score)
+    logger = get_run_logger()
     start = lambda needed: "start" if needed else "not needed"  # noqa: E731
-    get_run_logger().info("serving: policy %s, judge %s, summariser %s (missing: %s)", start(needs.policy),
-                          start(needs.judge), start(needs.summarizer), ", ".join(needs.missing) or "nothing")
+    logger.info("serving: policy %s, judge %s, summariser %s (missing: %s)", start(needs.policy),
+                start(needs.judge), start(needs.summarizer), ", ".join(needs.missing) or "nothing")
+    if not served_sections(cfg, needs):
+        return needs
+    visible = visible_gpus(os.environ, gpu_count())
+    needs = needs.model_copy(update={"gpus": plan_gpus(cfg, needs, visible)})
+    rows = placement_rows(cfg, needs, visible)
+    logger.info("GPU placement: %s", describe(rows, visible))
+    publish_table("gpu-placement", rows, "the GPUs of each vLLM server (CUDA_VISIBLE_DEVICES)")
     return needs
 
 
 @task(name="serve", cache_policy=NO_CACHE, persist_result=False, task_run_name="serve-{cfg.backend}")
-def serve_task(cfg: ServeSection, model: ModelRef, log_dir: str) -> EndpointRef:
-    endpoint = start_server(cfg, model, log_dir)
+def serve_task(cfg: ServeSection, model: ModelRef, log_dir: str, devices: list[int] | None = None) -> EndpointRef:
+    """`devices`: the GPUs the placement gave the policy server (ServingNeeds.gpus); None = as configured."""
+    endpoint = start_server(with_devices(cfg, devices), model, log_dir)
     follow_log(endpoint.meta.get("log"), f"{cfg.backend} server")
     publish_table("serve-endpoint", [endpoint_info(endpoint)], f"{cfg.backend} server for {model.name or model.path}")
     return endpoint
 
 
 @task(name="serve-judge", cache_policy=NO_CACHE, persist_result=False)
-def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str) -> EndpointRef | None:
+def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str,
+                     devices: list[int] | None = None) -> EndpointRef | None:
+    cfg = cfg.model_copy(update={"serve": with_devices(cfg.serve, devices)})
     judge = start_judge(cfg, policy, log_dir)
     follow_log(judge.meta.get("log") if judge else None, "judge server")  # a shared or external one has no new log
+    if judge is not None and "pgid" in judge.meta:
+        publish_table("judge-endpoint", [endpoint_info(judge)], f"judge server for {judge.model}")
     return judge
 
 
 @task(name="serve-summarizer", cache_policy=NO_CACHE, persist_result=False)
-def summarizer_serve_task(cfg: SummarizerSection, log_dir: str) -> EndpointRef | None:
+def summarizer_serve_task(cfg: SummarizerSection, log_dir: str, devices: list[int] | None = None) -> EndpointRef | None:
+    cfg = cfg.model_copy(update={"serve": with_devices(cfg.serve, devices)})
     summarizer = start_summarizer(cfg, log_dir)
     follow_log(summarizer.meta.get("log") if summarizer else None, "summariser server")
+    if summarizer is not None:
+        publish_table("summarizer-endpoint", [endpoint_info(summarizer)], f"summariser server for {summarizer.model}")
     return summarizer
 
 

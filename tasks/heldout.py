@@ -6,12 +6,12 @@ from __future__ import annotations
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import HeldoutSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef, ScoresRef
-from stages.heldout import evaluate_heldout, heldout_key
+from stages.heldout import evaluate_heldout
 from tasks.common import forced, stage_task
 from tasks.secrets import export_search_key
 
 
-@stage_task("heldout", heldout_key)
+@stage_task("heldout")
 def _heldout(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
                  output_root: str, cache_root: str, label: str = "policy") -> ScoresRef:
     export_search_key(agent)

@@ -10,17 +10,16 @@ refresh) are not part of the key (stages.rl.trainer.training_identity, used by s
 from __future__ import annotations
 
 from stages.core.config.agent import AgentSection
-from stages.core.config.rl import MergeSection, RLSection
+from stages.core.config.merge import MergeSection
+from stages.core.config.rl import RLSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.rl.card import algorithm_card, card_table
-from stages.rl.merge import merge_key
-from stages.rl.stage import rl_key
 from tasks.artifacts import publish_table
 from tasks.common import call_stage, forced, stage_task
 from tasks.secrets import export_search_key
 
 
-@stage_task("rl", rl_key)
+@stage_task("rl")
 def rl_task(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
             output_root: str, cache_root: str, seed: int = 0, dtype: str = "float32",
             python: str | None = None) -> CheckpointRef:
@@ -37,7 +36,7 @@ def publish_card(cfg: RLSection) -> None:
                   f"published run {card.reference.name}: each mechanism, same or differs and why (docs/reference.md)")
 
 
-@stage_task("merge", merge_key)
+@stage_task("merge")
 def merge_task(cfg: MergeSection, ckpt: CheckpointRef, output_root: str, python: str | None = None) -> ModelRef:
     model = call_stage("stages.rl.merge:merge_checkpoint", python, cfg=cfg, ckpt=ckpt, output_root=output_root,
                        force=forced())

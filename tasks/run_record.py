@@ -7,15 +7,15 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from stages.core.config import RunConfig, to_yaml
+from stages.core.config.loader import RunConfig, to_yaml
 from stages.core.runs import finish_run, start_run
 from tasks.artifacts import publish_markdown
 
 
 @task(name="record-config", cache_policy=NO_CACHE)
-def record_config_task(cfg: RunConfig, plan: str) -> str:
-    run_dir = start_run(cfg, plan, run_id=str(flow_run.get_id() or ""))
-    publish_markdown("resolved-config", f"Plan: `{plan}`\n\n```yaml\n{to_yaml(cfg)}```",
+def record_config_task(cfg: RunConfig, selection: str) -> str:
+    run_dir = start_run(cfg, selection, run_id=str(flow_run.get_id() or ""))
+    publish_markdown("resolved-config", f"Stages: `{selection}`\n\n```yaml\n{to_yaml(cfg)}```",
                      f"Resolved config of profile {cfg.profile}, also in {run_dir}/config.yaml")
     return str(run_dir)
 

@@ -2,8 +2,9 @@
 
 The web search key lives in an environment variable (`agent.search.web.api_key_env`); when that is unset and
 `agent.search.web.secret_block` names a Prefect Secret block, the task reads the block and exports the key
-for the stage it is about to run (and for a stage run under another interpreter, which inherits it). The
-python sandbox gets a minimal environment of its own, so the key never reaches model-written code.
+for the stage it is about to run (and for a stage run under another interpreter, which inherits it). The Jina
+Reader's key (`agent.search.browse.jina_api_key_env` / `jina_secret_block`, with `browse.reader: jina`) is exported
+the same way. The python sandbox gets a minimal environment of its own, so the keys never reach model-written code.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ from stages.core.config.agent import AgentSection
 
 
 def export_search_key(agent: AgentSection) -> None:
-    web = agent.search.web
-    if agent.search.backend != "web" or not web.secret_block or os.environ.get(web.api_key_env, "").strip():
+    web, browse = agent.search.web, agent.search.browse
+    if agent.search.backend == "web":
+        _export(web.api_key_env, web.secret_block, "web search")
+    if browse.reader == "jina":
+        _export(browse.jina_api_key_env, browse.jina_secret_block, "the Jina Reader (agent.search.browse.reader=jina)")
+
+
+def _export(env: str, block: str | None, what: str) -> None:
+    if not block or os.environ.get(env, "").strip():
         return
     from prefect.blocks.system import Secret
 
     try:
-        key = str(Secret.load(web.secret_block).get()).strip()
+        key = str(Secret.load(block).get()).strip()
     except Exception as err:
-        raise SearchError(f"web search: environment variable {web.api_key_env} is unset and the Prefect Secret "
-                          f"block {web.secret_block!r} could not be read ({err}); create it with "
-                          f"`prefect block create secret` or export {web.api_key_env}") from err
+        raise SearchError(f"{what}: environment variable {env} is unset and the Prefect Secret block {block!r} could "
+                          f"not be read ({err}); create it with `prefect block create secret` or export {env}") from err
     if key:
-        os.environ[web.api_key_env] = key
+        os.environ[env] = key

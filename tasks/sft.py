@@ -9,8 +9,6 @@ from __future__ import annotations
 from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from stages.sft.dpo import dpo_key
-from stages.sft.stage import sft_key
 from tasks.artifacts import publish_image, publish_table
 from tasks.common import call_stage, forced, stage_task
 from tasks.secrets import export_search_key
@@ -24,7 +22,7 @@ def _publish(stage: str, ref: CheckpointRef) -> None:
                   f"{stage}: training and data metrics ({ref.path})")
 
 
-@stage_task("sft", sft_key)
+@stage_task("sft")
 def sft_task(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: DatasetRef, output_root: str,
              cache_root: str, python: str | None = None) -> CheckpointRef:
     export_search_key(agent)
@@ -34,7 +32,7 @@ def sft_task(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: Datase
     return ref
 
 
-@stage_task("dpo", dpo_key)
+@stage_task("dpo")
 def dpo_task(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef, output_root: str,
              cache_root: str, python: str | None = None) -> CheckpointRef:
     export_search_key(agent)

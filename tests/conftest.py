@@ -82,7 +82,7 @@ def require_chromium() -> str:
 # and run in order), except that every module using the session's vLLM server is one group, so one worker starts
 # that server once and stops it after its last user. The scheduler sees only test ids, hence the list of vLLM
 # modules, which collection checks against the fixture each module really uses.
-# Longest first, as measured in CI (README, Tests):
+# Longest first, as measured in CI (docs/benchmarks.md, CI time):
 LONGEST_FIRST = ("test_verl_cpu_smoke.py", "test_pipeline_e2e.py", "test_ui_live.py", "test_rehearse_e2e.py")
 VLLM_MODULES = ("tests/integration/test_eval_infer.py", "tests/integration/test_eval_inference_tools.py",
                 "tests/integration/test_eval_score.py", "tests/integration/test_eval_server.py",
@@ -153,7 +153,7 @@ def shared_data() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_config():
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
 
     return load_config("tiny-cpu")
 

@@ -14,7 +14,7 @@ A model writes a segment until EOS, its token budget or a stop string; `next_ste
 
 Two drivers use it:
 - token level, batched over trajectories: `stages.generation.tool_rollout.ToolRollout` (RL rollouts and verl's rollout
-  tree through RL's branching engine, SFT's sampled trajectories); "the environment ends it" = an EOS is appended;
+  tree with RL's growth rule, SFT's sampled trajectories); "the environment ends it" = an EOS is appended;
 - text level, one sample: `run_text_loop` below (evaluation over an OpenAI endpoint, SFT's teacher trajectories).
 """
 

@@ -1,10 +1,11 @@
 """Files a user points at, checked before any work, each problem one input error naming the key, the file and the fix.
 
 A config field that names an input says what it holds: `json_schema_extra=input_file("parquet", columns=(...))`
-(merged with `used_when` where the field also belongs to a mode). `check_inputs(cfg, stages)` walks the resolved
-config and checks every such field that is set, in the sections the planned stages read: the file exists and is
-readable, and it has the format the field says (a parquet footer with the required columns and at least one row,
-a JSON object on the first line of a JSONL file, a model folder with config.json, a known template). It reads only
+(merged with `used_when` where the field also belongs to a mode). `check_inputs(cfg, stages)`
+(stages.core.input_check) walks the resolved config and checks every such field that is set, in the sections the
+planned stages read: the file exists and is readable, and it has the format the field says (a parquet footer with
+the required columns and at least one row, a JSON object on the first line of a JSONL file, a model folder with
+config.json, a known template). It reads only
 what that takes (a parquet footer, one line), so a cached rerun pays milliseconds; the stage that reads every row
 checks the rows and names the row (the data stage runs first in the pipeline).
 
@@ -15,22 +16,14 @@ same input error, not a FileNotFoundError raised while Prefect computes a cache 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel
 
 from stages.core.atomic import iter_json_objects
 from stages.core.env import PROJECT_ROOT
 from stages.core.errors import BadInputError, MissingInputError
 from stages.core.fingerprint import hash_path
-
-# the sections each stage reads inputs from (an input of a section no planned stage reads is not checked)
-SECTION_STAGES: dict[str, tuple[str, ...]] = {
-    "model": ("bootstrap",), "data": ("data",), "sft": ("sft",), "rl": ("rl",),
-    "agent": ("sft", "rl", "heldout", "infer"), "eval": ("heldout", "infer"),
-}
 
 
 def input_file(kind: str, *, columns: tuple[str, ...] = (), when: dict[str, Any] | None = None,
@@ -41,46 +34,6 @@ def input_file(kind: str, *, columns: tuple[str, ...] = (), when: dict[str, Any]
     the project root (configs/deepspeed/...), else under the working directory."""
     spec = {"kind": kind, "columns": list(columns), "when": when or {}, "project_relative": project_relative}
     return {"input": spec}
-
-
-def check_inputs(cfg: BaseModel, stages: Iterable[str]) -> None:
-    """Every set input field of the sections `stages` read: exists, readable, the right format. Raises the
-    first problem as an InputError (MissingInputError for a missing file)."""
-    wanted = set(stages)
-    for name, runs in SECTION_STAGES.items():
-        if wanted & set(runs) and hasattr(cfg, name):
-            for key, value, spec in _inputs(getattr(cfg, name), name):
-                check_input(key, value, spec)
-    check_interpreters(cfg, wanted)
-
-
-def check_interpreters(cfg: BaseModel, stages: set[str]) -> None:
-    """A stage set to run under another interpreter (run.interpreters) needs it here, before any work: else the
-    stage's task fails with FileNotFoundError after the run has started (and is retried)."""
-    run = getattr(cfg, "run", None)
-    for stage, python in (getattr(run, "interpreters", None) or {}).items():
-        path = resolve(python, project_relative=True)
-        if stage in stages and not path.is_file():
-            hint = {"rl": " (./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
-                          ".venv-verl-cpu)"}.get(stage, "")
-            raise MissingInputError(f"run.interpreters.{stage}={python}: {path} does not exist; build that "
-                                    f"environment{hint}, or remove run.interpreters.{stage} to run the stage in "
-                                    "this process")
-
-
-def _inputs(section: BaseModel, prefix: str) -> Iterator[tuple[str, Any, dict[str, Any]]]:
-    """(dotted key, value, spec) of each set input field, skipping sections switched off (`enabled: false`)."""
-    if getattr(section, "enabled", True) is False:
-        return
-    for name, field in type(section).model_fields.items():
-        value = getattr(section, name)
-        if isinstance(value, BaseModel):
-            yield from _inputs(value, f"{prefix}.{name}")
-            continue
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        spec = extra.get("input")
-        if spec and value not in (None, "") and all(getattr(section, k) == v for k, v in spec["when"].items()):
-            yield f"{prefix}.{name}", value, spec
 
 
 def check_input(key: str, value: Any, spec: dict[str, Any]) -> None:

@@ -7,9 +7,11 @@ state is the next free slot, kept as text in that file under a POSIX record lock
 A provider's limit is per account, not per process: verl's agent-loop workers are separate processes, so a
 per-process limiter lets N workers send N times the configured rate. Here each acquisition reserves the slot
 `max(now, next)` and moves `next` one interval on, under `fcntl.lockf` (POSIX locks also work on NFS with a lock
-daemon); threads of one process serialise on a thread lock first, because POSIX locks belong to the process. The
-clock is wall time (`time.time()`), which every process of a host shares. A stored slot more than
-`STALE_AFTER_S` ahead (a clock set back, a damaged file) is ignored rather than waited for.
+daemon); threads of one process serialise on a thread lock first, because POSIX locks belong to the process: one
+thread lock per file, shared by every limiter of the process on that file (two limiters on one file in one process
+would otherwise both hold the POSIX lock at once). The clock is wall time (`time.time()`), which every process of a
+host shares. A stored slot more than `STALE_AFTER_S` ahead (a clock set back, a damaged file) is ignored rather than
+waited for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ import time
 from pathlib import Path
 
 STALE_AFTER_S = 3600.0
+_FILE_LOCKS: dict[str, threading.Lock] = {}
+_FILE_LOCKS_GUARD = threading.Lock()
+
+
+def _file_lock(path: Path) -> threading.Lock:
+    """The thread lock of this process for one limiter file."""
+    with _FILE_LOCKS_GUARD:
+        return _FILE_LOCKS.setdefault(os.path.abspath(path), threading.Lock())
 
 
 class SharedRateLimiter:
@@ -31,7 +41,7 @@ class SharedRateLimiter:
             raise ValueError(f"rate must be > 0, got {rate}")
         self.path, self.interval = Path(path), 1.0 / rate
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+        self._lock = _file_lock(self.path)
 
     def reserve(self) -> float:
         """Take the next free slot (a `time.time()` value, never earlier than now) without waiting for it."""

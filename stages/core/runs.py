@@ -11,14 +11,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from stages.core.atomic import write_json, write_text
-from stages.core.config import RunConfig, to_yaml
+from stages.core.config.loader import RunConfig, to_yaml
 
 
-def start_run(cfg: RunConfig, plan: str, run_id: str | None = None) -> Path:
+def start_run(cfg: RunConfig, stages: str, run_id: str | None = None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run.output_root).resolve() / "runs" / f"{cfg.run.name}-{stamp}-{(run_id or '')[:8]}".rstrip("-")
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_text(run_dir / "config.yaml", f"# profile: {cfg.profile}\n# plan: {plan}\n" + to_yaml(cfg))
+    write_text(run_dir / "config.yaml", f"# profile: {cfg.profile}\n# stages: {stages}\n" + to_yaml(cfg))
     point_latest(run_dir)
     return run_dir
 

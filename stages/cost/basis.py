@@ -1,9 +1,8 @@
 """The measured run a plan may project from.
 
-Every RL stage folder gets `step_identity.json`: a hash of everything that decides what one step costs (the RL
-section without its step count, checkpointing, alarms and optimizer; the agent; the base model and dtype). A
-short run of a configuration (fewer steps) has the identity of the full one, so `arpo plan` projects the full
-run from it. `read_measured` reads the per-step rows of metrics.jsonl (the local engine's names, or verl's).
+Every RL stage folder gets `step_identity.json` (stages.rl.step_identity: equal for a short run and the full one),
+so `arpo plan` projects the full run from a short one.
+`read_measured` reads the per-step rows of metrics.jsonl (the local engine's names, or verl's).
 """
 
 from __future__ import annotations
@@ -13,16 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.core.atomic import read_jsonl, write_json
-from stages.core.config.agent import AgentSection
-from stages.core.config.rl import RLSection
-from stages.core.fingerprint import hash_value
+from stages.core.atomic import read_jsonl
+from stages.rl.step_identity import IDENTITY_FILE
 
-IDENTITY_FILE = "step_identity.json"
 METRICS_FILE = "metrics.jsonl"
-NOT_PER_STEP: dict[str, Any] = {"alarms": True, "optim": True, "enabled": True, "trainer": {
-    "total_steps", "epochs", "save_every", "report_every", "keep_checkpoints", "keep_optimizer_state",
-    "dump_rollouts"}}
+
 # our name -> the metric names that carry it (local engine first, then verl's file logger)
 ALIASES: dict[str, tuple[str, ...]] = {
     "trajectories": ("rollout/trajectories",),
@@ -33,16 +27,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "python_calls": ("rollout/python_calls_executed",),
     "step_s": ("timing/step_s", "timing_s/step"),
 }
-
-
-def step_identity(rl: RLSection, agent: AgentSection, model_name: str, dtype: str) -> str:
-    """Equal for two configurations whose steps cost the same (up to the policy's own behaviour)."""
-    return hash_value(rl.model_dump(mode="json", exclude=NOT_PER_STEP), agent, model_name, dtype)
-
-
-def write_identity(stage: Path, identity: str) -> None:
-    if not (stage / IDENTITY_FILE).is_file():
-        write_json(stage / IDENTITY_FILE, {"identity": identity})
 
 
 @dataclass(frozen=True)

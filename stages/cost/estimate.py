@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.core.config import RunConfig
+from stages.core.config.loader import RunConfig
 from stages.cost.basis import Measured
 
 ATTEMPTS = {"server": 3, "web": None}  # requests per failing search call (web: agent.search.web.retries)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.core.config import RunConfig
+from stages.core.config.loader import RunConfig
 from stages.core.log import get_logger
 
 log = get_logger(__name__)

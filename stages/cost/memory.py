@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.core.archs import Arch, arch_for
-from stages.core.config import RunConfig
+from stages.core.config.loader import RunConfig
 from stages.core.errors import BadInputError
 from stages.cost.partition import MicroBatch, fixed_micro_batches, micro_batches
 

@@ -11,7 +11,7 @@ the real count sits below these lines unless the summariser fails.
 
 from __future__ import annotations
 
-from stages.core.config import RunConfig
+from stages.core.config.loader import RunConfig
 from stages.cost.estimate import Line
 
 

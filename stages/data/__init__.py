@@ -1,6 +1,6 @@
-"""Task data: the seeded synthetic tool-use task set, and readers/validators for the real RL parquet."""
+"""Task data: the seeded synthetic tool-use task set (prepare_data). The RL parquet schema that every stage reads
+is stages.core.rl_parquet (shared, so that reading the data does not make the data stage part of another's key)."""
 
 from stages.data.prepare import prepare_data
-from stages.data.rl_parquet import DatasetRowError, RLRow, read_rl_parquet
 
-__all__ = ["DatasetRowError", "RLRow", "prepare_data", "read_rl_parquet"]
+__all__ = ["prepare_data"]

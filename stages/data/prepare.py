@@ -18,9 +18,9 @@ from stages.core.fingerprint import hash_value
 from stages.core.inputs import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef
+from stages.core.rl_parquet import DatasetRowError, make_row, read_rl_parquet, write_rl_parquet
 from stages.core.templates import load_template
 from stages.core.workspace import stage_dir
-from stages.data.rl_parquet import DatasetRowError, make_row, read_rl_parquet, write_rl_parquet
 from stages.data.synthetic import generate
 
 log = get_logger(__name__)

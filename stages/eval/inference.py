@@ -1,6 +1,6 @@
 """The inference stage: every (question, sample) of one benchmark through the agent loop, resumably.
 
-`run_inference` writes `<output_root>/eval-infer/<key>/predictions.jsonl`, one row per (item, sample) in
+`run_inference` writes `<output_root>/infer/<key>/predictions.jsonl`, one row per (item, sample) in
 the predictions contract (docs/eval.md). Finished samples are appended to `predictions.partial.jsonl` one
 line at a time (flushed and fsynced), so a rerun after a crash runs only the missing (id, sample) pairs;
 the final file is written atomically once every pair is done. Samples that could not reach the server
@@ -37,7 +37,7 @@ from stages.eval.search_mode import benchmark_search, check_summarizer, keyed_ag
 
 log = get_logger(__name__)
 
-STAGE = "eval-infer"
+STAGE = "infer"
 FINAL = "predictions.jsonl"
 PARTIAL = "predictions.partial.jsonl"
 GENERATION_KEYS = {"data_root", "max_questions", "samples", "temperature", "top_p", "top_k", "min_p",

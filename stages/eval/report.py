@@ -28,7 +28,7 @@ from stages.core.fingerprint import hash_path, hash_value
 from stages.core.refs import Ref, ScoresRef
 from stages.core.workspace import stage_dir
 
-STAGE = "eval-report"
+STAGE = "report"
 REFERENCE_FILE = Path(__file__).with_name("reference_numbers.yaml")
 _HEADLINE = ("benchmark", "search", "questions", "samples", "metric", "accuracy", "accuracy ci", "paper accuracy",
              "pass@k verdict", "llm_equal", "judge_rule_agreement", "em", "f1", "paper (other metric)", "published",

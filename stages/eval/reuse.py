@@ -2,7 +2,7 @@
 
 Starting vLLM costs a minute on the CPU box, and a rerun whose predictions (and judged scores) are all on disk
 needs no server at all. `serving_needs` computes the inference and scoring stage keys exactly as those stages do,
-with the *planned* endpoints (`stages.eval.serving.planned_endpoint`: the served name, model fingerprint and
+with the *expected* endpoints (`stages.eval.serving.expected_endpoint`: the served name, model fingerprint and
 sampling extras the keys hash, no live process), and checks the stage folders' completion markers:
 - the policy server is needed when some benchmark's predictions are missing (or `infer` is refreshed), or when
   the judge is the policy and some judged score is missing;
@@ -29,13 +29,13 @@ from stages.core.log import get_logger
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.core.workspace import MARKER
 from stages.eval.search_mode import serves_summarizer
-from stages.eval.serving import planned_endpoint, planned_judge
+from stages.eval.serving import expected_endpoint, expected_judge
 
 log = get_logger(__name__)
 
 
 class ServingNeeds(BaseModel):
-    """Whether to start the policy / judge / summariser servers; the planned endpoints stand in for the policy and
+    """Whether to start the policy / judge / summariser servers; the expected endpoints stand in for the policy and
     judge when they are not started (a summariser's endpoint is in no key, so none stands in for it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -46,6 +46,7 @@ class ServingNeeds(BaseModel):
     missing: list[str]
     retry: list[str] = []  # benchmarks whose predictions have infra-failed samples to run again
     summarizer: bool = False
+    gpus: dict[str, list[int]] = {}  # role (policy | judge | summarizer) -> GPUs (stages/eval/placement.py); {} on CPU
 
 
 def _marker(output_root: str | Path, stage: str, key: str) -> Path:
@@ -87,8 +88,8 @@ def finished_scoring(cfg: EvalSection, benchmark: str, predictions_fingerprint: 
 def serving_needs(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str], score: bool) -> ServingNeeds:
     """`cfg` is the RunConfig; `refresh` the stages this run recomputes; `score` whether it scores."""
     root = cfg.run.output_root
-    policy = planned_endpoint(cfg.serve, model)
-    judge = planned_judge(cfg.eval.judge, policy) if score else None
+    policy = expected_endpoint(cfg.serve, model)
+    judge = expected_judge(cfg.eval.judge, policy) if score else None
     judged = judge is not None
     missing: list[str] = []
     retry: list[str] = []

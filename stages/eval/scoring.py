@@ -1,7 +1,7 @@
 """The scoring stage: predictions JSONL -> per-sample verdicts + a benchmark summary (accuracy, pass@k, CIs).
 
 `score_predictions(cfg, preds, judge, output_root, cache_root, force)` writes
-`<output_root>/eval-score/<key>/{samples.jsonl, summary.json}` and returns a ScoresRef whose `meta` is the
+`<output_root>/score/<key>/{samples.jsonl, summary.json}` and returns a ScoresRef whose `meta` is the
 summary. Answers that hit a tool infrastructure failure (a provider, server or sandbox failed; PredictionRow
 `infra_failures`) are not scored wrong: every sample of their question is left out of the metrics (pass@k needs
 all n samples of a question), and the summary lists them (`infra_failed_answers`, `infra_failed_questions`,
@@ -26,11 +26,11 @@ from stages.core.config.eval import EvalSection
 from stages.core.env import free_cpu_threads
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
+from stages.core.passk import summarize
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import stage_dir
 from stages.eval.benchmarks import headline_metric
 from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict
-from stages.eval.passk import summarize
 from stages.eval.rows import PredictionRow, ScoredSample
 from stages.eval.sample_metrics import (
     MathVerifier,
@@ -43,7 +43,7 @@ from stages.eval.sample_metrics import (
 log = get_logger(__name__)
 INFERENCE_AIDS = ("debug", "rollback", "refine")  # Tool-Star's inference-time tools, counted per sample
 
-STAGE = "eval-score"
+STAGE = "score"
 PREDICTIONS_FILE = "predictions.jsonl"
 
 

@@ -76,12 +76,13 @@ def summarizer_search(search: SearchSection, endpoint: EndpointRef | None) -> Se
 
 
 def search_mode(search: SearchSection) -> str:
-    """The report's label: `snippets`, `browse (en)` or `browse+summary (zh)`; `, replay` for recorded pages."""
+    """The report's label: `snippets`, `browse (en)` or `browse+summary (zh)`; `, replay` for recorded pages,
+    `, jina` for pages read by the Jina Reader."""
     if not search.browse.enabled:
         return "snippets"
     kind = "browse+summary" if search.summarizer.model else "browse"
-    replay = ", replay" if search.browse.mode == "replay" else ""
-    return f"{kind} ({search.browse.language}{replay})"
+    source = ", replay" if search.browse.mode == "replay" else ", jina" if search.browse.reader == "jina" else ""
+    return f"{kind} ({search.browse.language}{source})"
 
 
 def check_summarizer(search: SearchSection, get: Any = None) -> None:

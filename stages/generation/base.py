@@ -105,7 +105,7 @@ class ForwardStats:
 class GenerationBackend(Protocol):
     """What the tool rollout needs from a generator.
 
-    KV handling is explicit so that the engine can say what is shared: `prefill` warms a sequence's cache,
+    KV handling is explicit so that the rollout driver can say what is shared: `prefill` warms a sequence's cache,
     `fork(src, dst, n)` starts `dst` from the first `n` context tokens of `src`'s cache, `release` drops caches
     (call it at the end of every rollout: weights change between steps). Backends without explicit caches
     (vLLM: automatic prefix caching) implement these as no-ops. `refresh_weights` makes the backend sample from
@@ -140,7 +140,7 @@ class PrefixCached:
         """No-op: a branch's context starts with its parent's tokens, which the prefix cache recognises."""
 
     def release(self, keys: Iterable[Hashable] | None = None) -> None:
-        """No-op: the engine evicts blocks itself (and drops them when weights change)."""
+        """No-op: the vLLM engine evicts blocks itself (and drops them when weights change)."""
 
 
 def eos_ids_of(tokenizer, generation_config=None) -> frozenset[int]:

@@ -30,7 +30,7 @@ def backend_options(cfg: GenerationSettings, model: torch.nn.Module, seed: int) 
     """Keyword options of `load_backend` for the configured backend (both compute the same per-token entropy)."""
     entropy = TokenEntropy(cfg.entropy_quantity, cfg.entropy_topk)
     if cfg.backend == "vllm":
-        # the engine holds the trainer's dtype, so its sampling log-probs are the ones the trainer recomputes
+        # the vLLM engine holds the trainer's dtype, so its sampling log-probs are the ones the trainer recomputes
         return {"model_path": getattr(model.config, "_name_or_path", None), "seed": seed, "entropy": entropy,
                 "max_model_len": cfg.max_prompt_length + cfg.max_response_length,
                 "engine_kwargs": {"dtype": str(model.dtype).removeprefix("torch.")}}

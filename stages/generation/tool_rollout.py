@@ -13,9 +13,9 @@ tokens (no BOS) and appended with loss mask 0; tool tokens count against `max_re
 does not fit is cut and the trajectory ends with `length`). Model tokens are kept exactly as sampled (stop tags
 included); nothing is re-encoded.
 
-How a group grows is the `GrowthPolicy` passed in. The default, `IndependentRoots`, gives every group n
+How a group grows is the growth rule (`GrowthRule`) passed in. The default, `IndependentRoots`, gives every group n
 independent roots (GRPO sampling: what SFT's self-critic pairs use). RL's tree rollout (stages.rl.rollout) passes
-its branch policy, which answers the same few questions: how many roots to start, what to do before they start
+its growth rule, which answers the same few questions: how many roots to start, what to do before they start
 (AEPO's probe), what to note of a new segment (its entropy), which trajectories to fork after a round's
 generation or tools, and how to refill a group between rounds. It acts on the driver only through the driver's
 public methods (`run_rounds`, `new_root`, `take_id`, `fork`, `add_time`, `restart_ids`). All randomness comes from
@@ -49,8 +49,8 @@ class ToolRunner(Protocol):
     def execute_many(self, calls: Sequence[tuple[ToolCall, Any]]) -> list[Any]: ...  # .tool .text .ok .meta
 
 
-class GrowthPolicy(Protocol):
-    """How the groups of a rollout grow: the questions the driver asks (RL's branch policy answers them)."""
+class GrowthRule(Protocol):
+    """How the groups of a rollout grow: the questions the driver asks (RL's `TreeGrowth` answers them)."""
 
     branching: bool   # whether the main rounds may fork trajectories
     fill_fresh: bool  # whether groups are refilled between rounds (`fill`)
@@ -109,9 +109,9 @@ class IndependentRoots:
 class ToolRollout:
     def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: GenerationSettings,
                  seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True,
-                 policy: GrowthPolicy | None = None) -> None:
+                 growth: GrowthRule | None = None) -> None:
         self.backend, self.toolbox, self.tokenizer, self.cfg = backend, toolbox, tokenizer, cfg
-        self.policy = IndependentRoots(cfg.n) if policy is None else policy
+        self.growth = IndependentRoots(cfg.n) if growth is None else growth
         self.seed, self.show_progress = seed, show_progress
         self.rules = LoopRules(stops=tuple(stop), call_limit=cfg.call_limit, empty_call="end")
         self.sampling = SamplingSpec(cfg.temperature, cfg.top_p, cfg.top_k, tuple(stop))
@@ -127,7 +127,7 @@ class ToolRollout:
         """n trajectories per prompt; caches are dropped at the end (weights change between steps).
 
         Randomness: `seed` when given (a trainer passes one per step so a resumed run re-samples the same),
-        else (engine seed, number of earlier rollout calls)."""
+        else (the driver's seed, number of earlier rollout calls)."""
         check_prompts(prompts, self.cfg)
         rng = np.random.default_rng([self.seed, self.calls] if seed is None else [seed])
         self.calls += 1
@@ -135,13 +135,13 @@ class ToolRollout:
         start, before = time.perf_counter(), self.backend.stats.copy()
         self.backend.refresh_weights()
         try:
-            groups = [GroupState(p, self.cfg.n, self.policy.initial_count()) for p in prompts]
+            groups = [GroupState(p, self.cfg.n, self.growth.initial_count()) for p in prompts]
             self.backend.prefill([(g.prompt_key, g.item.prompt_ids) for g in groups])
-            self.policy.before_roots(self, groups, rng)
+            self.growth.before_roots(self, groups, rng)
             for g in groups:
                 for _ in range(g.initial):
                     self.new_root(g, "root")
-            rounds = self.run_rounds(groups, rng, self.policy.branching, self.policy.fill_fresh, "rollout")
+            rounds = self.run_rounds(groups, rng, self.growth.branching, self.growth.fill_fresh, "rollout")
         finally:
             self.backend.release()
         metrics = {**trajectory_metrics(groups), "rounds": float(rounds),
@@ -151,7 +151,7 @@ class ToolRollout:
         metrics["time_total_s"] = time.perf_counter() - start
         return to_batch(groups, self.tokenizer, metrics)
 
-    # ---- the round loop (a policy may run it on probe groups) ---------------------------------------------------
+    # ---- the round loop (a growth rule may run it on probe groups) ----------------------------------------------
     def run_rounds(self, groups: list[GroupState], rng: np.random.Generator, branching: bool, fill: bool,
              label: str, main: bool = True) -> int:
         """Rounds until no trajectory is active. Caches are freed as soon as nothing can use them: a finished
@@ -168,7 +168,7 @@ class ToolRollout:
                 self.backend.release([m.key for m in live if m.done])
                 for g in groups:
                     if fill:
-                        self.policy.fill(self, g)
+                        self.growth.fill(self, g)
                     if main and len(g.members) >= g.n:
                         self.backend.release([g.prompt_key])
                 rounds += 1
@@ -185,11 +185,11 @@ class ToolRollout:
             m.seg_start = len(m.traj)
             m.append(res.token_ids, 1, res.logprobs, res.entropies)
             m.last_after_result, m.after_result = m.after_result, False
-            self.policy.measure(m, res)
-        self.policy.after_generation(self, groups, live, rng, branching)
+            self.growth.measure(m, res)
+        self.growth.after_generation(self, groups, live, rng, branching)
         calls = [(m, call) for m, res in zip(live, results) if (call := self._step(m, res)) is not None]
         self._run_tools(calls)
-        self.policy.after_tools(self, groups, [m for m, _ in calls if not m.done], rng, branching)
+        self.growth.after_tools(self, groups, [m for m, _ in calls if not m.done], rng, branching)
 
     def _step(self, m: LiveTrajectory, res: GenResult) -> ToolCall | None:
         """The TIR step after a segment: finish the trajectory, or return the call it ends with."""
@@ -255,7 +255,7 @@ class ToolRollout:
             else:
                 m.after_result = True
 
-    # ---- trajectories (what a policy may do) -----------------------------------------------------------------
+    # ---- trajectories (what a growth rule may do) ------------------------------------------------------------
     def take_id(self) -> int:
         """The next trajectory id of this rollout."""
         self._next_id += 1

@@ -133,7 +133,7 @@ class VLLMBackend(PrefixCached):
         self._vllm = vllm
 
     def refresh_weights(self) -> None:
-        """Copy the trainer's current parameters into the engine and drop prefix-cache blocks of old weights."""
+        """Copy the trainer's current parameters into the vLLM engine and drop prefix-cache blocks of old weights."""
         if self.model is None:
             return
         weights = [(name, p.data) for name, p in self.model.named_parameters()]
@@ -147,7 +147,7 @@ class VLLMBackend(PrefixCached):
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Shut the in-process engine down (its KV cache and weights go), so that a later engine in this process,
+        """Shut the in-process vLLM engine down (its KV cache and weights go), so that a later one in this process,
         e.g. a held-out evaluation after RL, does not hold memory beside it."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):

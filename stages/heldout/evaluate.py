@@ -28,17 +28,17 @@ from stages.core.config.agent import AgentSection
 from stages.core.config.eval import HeldoutSection
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
+from stages.core.passk import bootstrap_ci
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef, ScoresRef
 from stages.core.workspace import stage_dir
-from stages.eval.passk import bootstrap_ci
 
 log = get_logger(__name__)
 
 
 def heldout_rows(spec: HeldoutSection, agent: AgentSection, data: DatasetRef) -> list[Any]:
     """The split as RL rows (RLRow), in file order, the first `max_questions`."""
-    from stages.data import read_rl_parquet
-    from stages.sft.rollouts import task_rows
+    from stages.core.rl_parquet import read_rl_parquet
+    from stages.generation.samples import task_rows
 
     if spec.split == "rl_valid":
         rows = read_rl_parquet(data.file("rl_valid"))
@@ -85,15 +85,15 @@ def _run(spec: HeldoutSection, agent: AgentSection, policy: ModelRef | Checkpoin
     from stages.agent.protocol import check_format
     from stages.agent.rewards import compute_rewards
     from stages.generation.models import load_policy, load_tokenizer
+    from stages.generation.samples import sampling_settings
     from stages.generation.session import RolloutSession
-    from stages.sft.rollouts import sampling_section
 
     rows = heldout_rows(spec, agent, data)
-    rl = sampling_section(n=spec.samples, temperature=spec.temperature, max_new_tokens=spec.max_response_length,
+    settings = sampling_settings(n=spec.samples, temperature=spec.temperature, max_new_tokens=spec.max_response_length,
                           call_limit=spec.call_limit, max_prompt_length=spec.max_prompt_length,
                           backend=spec.backend)
     model = load_policy(policy).eval()
-    session = RolloutSession(rl.generation(), agent, model, load_tokenizer(policy), data, cache_root, seed=spec.seed)
+    session = RolloutSession(settings, agent, model, load_tokenizer(policy), data, cache_root, seed=spec.seed)
     records: list[dict[str, Any]] = []
     try:
         for start in range(0, len(rows), spec.questions_per_batch):

@@ -77,6 +77,7 @@ class Offline:
     search_replay: str | None = None      # {query: result} JSON for agent.search.backend=replay
     page_replay: str | None = None        # {url: text} JSON for browsing (agent.search.browse.mode=replay)
     engine: str | None = None             # rehearse on another RL engine than the profile's (recorded as a swap)
+    judge: str = "rule"                   # rule: rule metrics only; policy: the served toy policy is the judge
 
 
 def rehearsal_for(cfg: Any, offline: Offline = Offline()) -> Rehearsal:
@@ -106,7 +107,7 @@ def rehearsal_for(cfg: Any, offline: Offline = Offline()) -> Rehearsal:
     _serving(cfg, change)
     present = present_benchmarks(cfg)
     _tools(cfg, offline, present, synthetic, change)
-    _eval(cfg, present, change)
+    _eval(cfg, present, change, offline.judge)
     return plan
 
 
@@ -252,7 +253,7 @@ def present_benchmarks(cfg: Any) -> list[str]:
     return present
 
 
-def _eval(cfg: Any, present: list[str], change) -> None:
+def _eval(cfg: Any, present: list[str], change, judge: str = "rule") -> None:
     e = cfg.eval
     change("eval.benchmarks", list(e.benchmarks), present or ["synthetic"], "swap",
            "benchmarks whose files are on this machine" + ("" if present else " (none: the synthetic test split)"))
@@ -265,9 +266,16 @@ def _eval(cfg: Any, present: list[str], change) -> None:
     change("eval.max_total_tokens", e.max_total_tokens, cfg.rl.rollout.max_prompt_length + 2 * EVAL_TOKENS, "scale",
            "a prompt and two toy turns (a random model rarely stops on its own)")
     change("eval.concurrency", e.concurrency, 2, "swap", "2 cores")
-    if e.judge.enabled:
+    if e.judge.enabled and judge == "policy":  # the judge's whole path (prompt, HTTP, retries, verdict parsing)
+        change("eval.judge.model", e.judge.model, "policy", "swap", f"the judge ({e.judge.path or e.judge.model}) "
+               "-> the served toy policy (its verdicts are noise; the path is what is rehearsed)")
+        if e.judge.model == "path":
+            change("eval.judge.path", e.judge.path, None, "swap", "the served toy policy judges")
+        change("eval.judge.max_tokens", e.judge.max_tokens, min(e.judge.max_tokens, EVAL_TOKENS), "scale",
+               "toy judge replies")
+    elif e.judge.enabled:
         change("eval.judge.enabled", True, False, "swap", f"the judge ({e.judge.path or e.judge.model}) is not served "
-               "here: rule metrics only")
+               "here: rule metrics only (--judge policy: the served toy policy judges)")
 
 
 def _exists(path: str | None) -> bool:

@@ -27,10 +27,10 @@ def prepare(profile: str, user_overrides: list[str], offline: Offline, stages: l
     """Everything before training; raises an InputError with the fix on a bad input or a failed seam check.
     `announce` sees the changes and the real-scale lines before the checks run (so they are shown either way)."""
     from stages.bootstrap import bootstrap_model
-    from stages.core.config import load_config
-    from stages.core.inputs import check_inputs
+    from stages.core.config.loader import load_config
+    from stages.core.input_check import check_inputs
     from stages.rehearse.real_scale import real_scale_checks
-    from stages.sft.seam_preflight import preflight_seams
+    from stages.rehearse.seam_preflight import preflight_seams
 
     started = time.time()
     real = load_config(profile, user_overrides)

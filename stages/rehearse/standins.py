@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from stages.core.atomic import write_text
-from stages.data import read_rl_parquet
+from stages.core.rl_parquet import read_rl_parquet
 
 
 def standin_target(ground_truth: str) -> str:

@@ -1,6 +1,6 @@
 """Pure branching arithmetic of ARPO / AEPO rollouts, as the reference code decides (docs/rollout.md, docs/reference.md).
 
-Every random draw is an argument (u ~ U[0, 1) from the engine's seeded generator), so each rule is a plain
+Every random draw is an argument (u ~ U[0, 1) from the rollout driver's seeded generator), so each rule is a plain
 function with hand-checkable values.
 """
 
@@ -42,7 +42,7 @@ def aepo_should_branch(u: float, tau: float, w: float, dh: float, c: int, penalt
     return aepo_branch_score(u, w, dh, c, penalty) >= tau
 
 
-def plan_branches(candidates: Sequence[tuple[int, float]], remaining: int, beam_size: int,
+def choose_branches(candidates: Sequence[tuple[int, float]], remaining: int, beam_size: int,
                   decide: Callable[[float, int], bool]) -> list[int]:
     """Which candidates get a copy this round, in order (a parent appears once per copy).
 

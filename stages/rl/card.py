@@ -5,7 +5,9 @@ run it is compared with, and "same" or "differs" with why (docs/reference.md has
     card_markdown(card)                    # the stage folder's algorithm_card.md and `arpo config show --card`
     card_table(card)                       # the Prefect table artifact `rl-algorithm-card`
 
-The loss-side rows read what the engine actually trains with: the RL section for the local engine, the verl
+What depends on the algorithm (independent samples or a tree, its branch rule, a branch penalty) is read from its
+line in stages/core/algorithm_spec.py, never from its name. The loss-side rows read what the engine actually trains
+with: the RL section for the local engine, the verl
 hydra overrides that `stages.rl.verl.mapping.verl_overrides` produces for the verl engine (the rollout and
 advantage sections reach verl's workers unchanged through the plugin settings). The same config therefore gives
 the same card on both engines unless the mapping sets something else, which `tests/unit/test_rl_card.py` checks.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stages.core.algorithm_spec import ALGORITHMS, AlgorithmSpec
 from stages.core.config.rl import RLSection, RolloutSection
 from stages.rl.reference_code import DOC, ReferenceSetting, reference_for
 
@@ -87,15 +90,16 @@ def _row(mechanism: str, value: str, reference: str, why: str = "", anchor: str 
 
 
 def reference_rollout(ref: ReferenceSetting) -> RolloutSection:
-    """The reference's rollout as our section (every rule set to the reference's own)."""
-    return RolloutSection(strategy=ref.algorithm, n=ref.n, initial_rollouts=ref.initial_rollouts,
+    """The reference's rollout as our section (every rule set to the reference's own; its algorithm is
+    `ref.algorithm`)."""
+    return RolloutSection(n=ref.n, initial_rollouts=ref.initial_rollouts,
                           beam_size=ref.beam_size, branch_probability=ref.branch_probability,
                           entropy_weight=ref.entropy_weight, branch_penalty=ref.branch_penalty,
                           dynamic_rollouts=ref.dynamic_rollouts, call_limit=ref.call_limit)
 
 
-def _initial(ro: RolloutSection) -> str:
-    if ro.strategy == "grpo":
+def _initial(spec: AlgorithmSpec, ro: RolloutSection) -> str:
+    if not spec.branches:
         return f"n = {ro.n} samples from the prompt"
     if ro.dynamic_rollouts:
         return (f"n = {ro.n}; initial roots clamp(floor(n sigmoid({ro.dynamic_beta} (H_root - H_tool))) + 1, 1, n) "
@@ -103,33 +107,29 @@ def _initial(ro: RolloutSection) -> str:
     return f"n = {ro.n}; {ro.initial_rollouts} initial roots"
 
 
-def _rule(ro: RolloutSection) -> str:
-    tau, w = ro.branch_probability, ro.entropy_weight
-    if ro.strategy == "arpo":
-        return f"branch iff clip(u - w dH, 0, 1) <= tau; tau = {tau}, w = {w}"
-    if ro.strategy == "aepo":
-        return (f"branch iff clip((u + w dH) max(0, 1 - p c), 0, 1) >= tau; tau = {tau}, w = {w}, "
-                f"p = {ro.branch_penalty}")
-    return "none"
+def _rule(spec: AlgorithmSpec, ro: RolloutSection) -> str:
+    if not spec.branches:
+        return "none"
+    return spec.branch_rule.format(tau=ro.branch_probability, w=ro.entropy_weight, p=ro.branch_penalty)
 
 
-def _counter(ro: RolloutSection) -> str:
-    if ro.strategy != "aepo" or ro.branch_penalty == 0:
+def _counter(spec: AlgorithmSpec, ro: RolloutSection) -> str:
+    if not spec.governs("rollout.branch_penalty") or ro.branch_penalty == 0:
         return "none"
     if ro.penalty_counter == "consecutive_rounds":
         return "c = consecutive rounds that added copies or fresh roots to the prompt (0 after one that added none)"
     return "c = copies the prompt made this rollout (same-round copies included)"
 
 
-def _draws(ro: RolloutSection) -> str:
-    if ro.strategy == "grpo":
+def _draws(spec: AlgorithmSpec, ro: RolloutSection) -> str:
+    if not spec.branches:
         return "none"
     return (f"min(beam_size - 1, budget left) = min({ro.beam_size - 1}, .) draws per candidate, fixed before "
             "drawing; candidates in creation order")
 
 
-def _fresh(ro: RolloutSection) -> str:
-    if ro.strategy == "grpo":
+def _fresh(spec: AlgorithmSpec, ro: RolloutSection) -> str:
+    if not spec.branches:
         return "none"
     return ("one fresh root per round while the prompt has no active trajectory and budget left"
             if ro.fresh_fill == "one" else "the whole leftover budget at once when no trajectory is active")
@@ -148,27 +148,27 @@ def _window(ro: RolloutSection) -> str:
         ("summed" if ro.entropy_aggregation == "sum" else "averaged")
 
 
-def rollout_rows(ro: RolloutSection, ref: ReferenceSetting) -> list[CardRow]:
-    theirs = reference_rollout(ref)
-    branching = ro.strategy != "grpo"
+def rollout_rows(algorithm: str, ro: RolloutSection, ref: ReferenceSetting) -> list[CardRow]:
+    spec, theirs, their_spec = ALGORITHMS.get(algorithm), reference_rollout(ref), ALGORITHMS.get(ref.algorithm)
     rows = [
-        _row("rollout strategy", ro.strategy, theirs.strategy, anchor="published-runs"),
-        _row("group size and initial roots", _initial(ro), _initial(theirs),
+        _row("rollout strategy", algorithm, ref.algorithm, anchor="published-runs"),
+        _row("group size and initial roots", _initial(spec, ro), _initial(their_spec, theirs),
              "a different value than the published run (profile setting)", "published-runs"),
-        _row("branch rule", _rule(ro), _rule(theirs), "a different value than the published run (profile setting)",
-             "branch-rules"),
-        _row("penalty counter c", _counter(ro), _counter(theirs),
+        _row("branch rule", _rule(spec, ro), _rule(their_spec, theirs),
+             "a different value than the published run (profile setting)", "branch-rules"),
+        _row("penalty counter c", _counter(spec, ro), _counter(their_spec, theirs),
              "rl.rollout.penalty_counter=branches is an earlier reading; the reference counts consecutive rounds",
              "penalty-counter", note="the reference moves every prompt's c only in rounds in which some prompt of "
              "the rollout worker's batch added one; here each prompt's c moves every round"
-             if _counter(ro).startswith("c = consecutive") else ""),
-        _row("copies per candidate", _draws(ro), _draws(theirs), "a different beam_size", "branch-rules"),
-        _row("fresh roots", _fresh(ro), _fresh(theirs), "fresh_fill=all is an option (fewer rounds)",
+             if _counter(spec, ro).startswith("c = consecutive") else ""),
+        _row("copies per candidate", _draws(spec, ro), _draws(their_spec, theirs), "a different beam_size",
+             "branch-rules"),
+        _row("fresh roots", _fresh(spec, ro), _fresh(their_spec, theirs), "fresh_fill=all is an option (fewer rounds)",
              "budget-and-fresh-roots"),
         _row("tool calls per trajectory", str(ro.call_limit), str(theirs.call_limit),
              "a different value than the published run (profile setting)", "published-runs"),
     ]
-    if branching:
+    if spec.branches:
         rows += [
             _row("entropy quantity", _quantity(ro), _quantity(theirs),
                  "verl's stock server returns only the sampled token's log-prob; rl.rollout.entropy_quantity=topk "
@@ -253,13 +253,13 @@ def training_rows(rl: RLSection, t: Trained, ref: ReferenceSetting) -> list[Card
 
 def card_notes(rl: RLSection) -> list[str]:
     """Settings that are valid but switch a mechanism off without saying so."""
-    ro, notes = rl.rollout, []
-    if ro.strategy != "grpo" and ro.beam_size < 2:
+    ro, spec, notes = rl.rollout, ALGORITHMS.get(rl.algorithm), []
+    if spec.branches and ro.beam_size < 2:
         notes.append(f"rl.rollout.beam_size={ro.beam_size}: no copies are ever made ({rl.algorithm} samples like "
                      "GRPO plus fresh roots)")
-    if ro.strategy != "grpo" and ro.initial_rollouts >= ro.n and not ro.dynamic_rollouts:
+    if spec.branches and ro.initial_rollouts >= ro.n and not ro.dynamic_rollouts:
         notes.append(f"rl.rollout.initial_rollouts = n = {ro.n}: no budget is left for copies")
-    if ro.strategy == "aepo" and ro.branch_penalty * 1 >= 1:
+    if spec.governs("rollout.branch_penalty") and ro.branch_penalty * 1 >= 1:
         notes.append(f"rl.rollout.branch_penalty={ro.branch_penalty}: the factor is 0 from c = 1 on")
     return notes
 
@@ -271,7 +271,8 @@ def algorithm_card(rl: RLSection) -> AlgorithmCard:
                      "differs", "infrastructure only: the algorithm functions are the same objects in both engines",
                      f"{DOC}#published-runs")
     return AlgorithmCard(rl.algorithm, rl.engine, ref,
-                         [engine, *rollout_rows(rl.rollout, ref), *training_rows(rl, trained, ref)], card_notes(rl))
+                         [engine, *rollout_rows(rl.algorithm, rl.rollout, ref), *training_rows(rl, trained, ref)],
+                         card_notes(rl))
 
 
 def card_table(card: AlgorithmCard) -> list[dict[str, str]]:

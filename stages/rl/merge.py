@@ -26,7 +26,7 @@ import torch
 
 from stages.core.atomic import write_json
 from stages.core.codeversion import code_version
-from stages.core.config.rl import MergeSection
+from stages.core.config.merge import MergeSection
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, ModelRef

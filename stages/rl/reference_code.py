@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stages.core.algorithm_spec import ALGORITHMS
 from stages.core.registry import Registry
 
 ARPO_CODE = "RUC-NLPIR/ARPO@a95cd08"
@@ -56,10 +57,6 @@ REFERENCE_SETTINGS: Registry[ReferenceSetting] = Registry("reference setting", {
                      "no published GRPO script: ARPO_7B_Reasoning_1node.sh's settings, n samples from the prompt",
                      16, 16, 1, 0.5, 0.2, 0.0, False, 3, False, False),
 )})
-DEFAULT_FOR_ALGORITHM = {"arpo": "arpo-qwen2.5-7b-reasoning", "aepo": "aepo-qwen3-14b-deepsearch",
-                         "grpo": "grpo-qwen2.5-7b-reasoning"}
-
-
 def reference_for(algorithm: str, name: str | None = None) -> ReferenceSetting:
-    """The setting `name` (rl.reference_setting), else the algorithm's published run."""
-    return REFERENCE_SETTINGS.get(name or DEFAULT_FOR_ALGORITHM[algorithm])
+    """The setting `name` (rl.reference_setting), else the algorithm's published run (its spec's `reference`)."""
+    return REFERENCE_SETTINGS.get(name or ALGORITHMS.get(algorithm).reference)

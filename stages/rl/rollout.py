@@ -1,13 +1,13 @@
-"""RL's tree rollout (GRPO / ARPO / AEPO): the agent runtime's token-level driver with a branch policy passed in.
+"""RL's tree rollout (GRPO / ARPO / AEPO): the agent runtime's token-level driver with a growth rule passed in.
 
-    rollout = TreeRollout(backend, toolbox, tokenizer, cfg.rl.rollout, seed=0)
+    rollout = TreeRollout(backend, toolbox, tokenizer, cfg.rl.rollout, cfg.rl.algorithm, seed=0)
     batch = rollout.rollout(build_prompt_items(rows, tokenizer, cfg.rl.rollout.max_prompt_length))
 
 Rounds, the TIR step, tools and budgets are `stages.generation.tool_rollout.ToolRollout` (the loop SFT's sampled
-trajectories run too). `TreeRollout` is that driver with a `BranchPolicy` (its `GrowthPolicy`), which adds what the
-strategy (strategies.py) and the entropy window (entropy.py) decide: the initial root count (AEPO may probe first),
-each segment's entropy, and branching: candidates of a group are scanned in creation order, each may make
-`beam_size - 1` copies while the group has budget (n minus trajectories created); a copy shares the parent's
+trajectories run too). `TreeRollout` is that driver with `TreeGrowth` (its `GrowthRule`), which adds what the
+strategy of rl.algorithm (strategies.py) and the entropy window (entropy.py) decide: the initial root count (AEPO may
+probe first), each segment's entropy, and branching: candidates of a group are scanned in creation order, each may
+make `beam_size - 1` copies while the group has budget (n minus trajectories created); a copy shares the parent's
 response up to `fork_at`, its tool counters and a copy of its tool CallState, and starts from the parent's KV cache
 (its entropy baseline: entropy.py). When a group has no active trajectory and budget left, fresh roots fill it
 (`fresh_fill`). After each round the group's AEPO penalty counter moves (`penalty_counter`: consecutive rounds that
@@ -27,18 +27,19 @@ from stages.core.config.rl import RolloutSection
 from stages.generation.base import GenerationBackend, GenRequest, GenResult, SamplingSpec
 from stages.generation.rollout_state import GroupState, LiveTrajectory
 from stages.generation.tool_rollout import ToolRollout, ToolRunner
-from stages.rl.branching import consecutive_rounds, fresh_to_add, plan_branches
+from stages.rl.branching import choose_branches, consecutive_rounds, fresh_to_add
 from stages.rl.entropy import EntropyWindow, delta_entropy
 from stages.rl.strategies import get_strategy
 
 
-class BranchPolicy:
-    """How RL's groups grow: the strategy's root count and branch rule, the entropy window's measurements, AEPO's
-    probe, fresh roots and the penalty counter. Acts on the rollout only through ToolRollout's public methods."""
+class TreeGrowth:
+    """RL's growth rule (how its groups grow): the strategy's root count and branch rule, the entropy window's
+    measurements, AEPO's probe, fresh roots and the penalty counter. Acts on the rollout only through ToolRollout's
+    public methods."""
 
-    def __init__(self, cfg: RolloutSection) -> None:
+    def __init__(self, cfg: RolloutSection, algorithm: str) -> None:
         self.cfg = cfg
-        self.strategy = get_strategy(cfg)
+        self.strategy = get_strategy(algorithm, cfg)
         self.branching, self.fill_fresh = self.strategy.branching, self.strategy.fill_fresh
         self.window = EntropyWindow(cfg.entropy_window, cfg.entropy_tokens, cfg.entropy_aggregation)
 
@@ -90,7 +91,7 @@ class BranchPolicy:
                 continue
             decide = lambda dh, planned, g=g: self.strategy.should_branch(float(rng.random()), dh,
                                                                           self._penalty_count(g, planned))
-            for parent_id in plan_branches(cands, remaining, self.cfg.beam_size, decide):
+            for parent_id in choose_branches(cands, remaining, self.cfg.beam_size, decide):
                 parent = by_id[parent_id]
                 fork_at = parent.seg_start if at_segment_start else len(parent.traj)
                 baseline = parent.h_initial if self.window.copies_inherit_baseline else None
@@ -122,15 +123,16 @@ class BranchPolicy:
 
 
 class TreeRollout(ToolRollout):
-    """ToolRollout with RL's BranchPolicy; the constructor RL's callers (trainer, verl's agent loop) use."""
+    """ToolRollout with RL's growth rule (TreeGrowth); the constructor RL's callers (trainer, verl's agent loop) use."""
 
     def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: RolloutSection,
-                 seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True) -> None:
+                 algorithm: str, seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True) -> None:
         super().__init__(backend, toolbox, tokenizer, cfg.generation(), seed, stop, show_progress,
-                         policy=BranchPolicy(cfg))
+                         growth=TreeGrowth(cfg, algorithm))
 
 
-def tree_rollouts(cfg: RolloutSection) -> Callable[[GenerationBackend, ToolRunner, Any, int], TreeRollout]:
+def tree_rollouts(cfg: RolloutSection,
+                  algorithm: str) -> Callable[[GenerationBackend, ToolRunner, Any, int], TreeRollout]:
     """RolloutSession's `make_rollout` for RL: a TreeRollout per call, seeded by the call's seed."""
-    return lambda backend, toolbox, tokenizer, seed: TreeRollout(backend, toolbox, tokenizer, cfg, seed=seed,
-                                                                 show_progress=False)
+    return lambda backend, toolbox, tokenizer, seed: TreeRollout(backend, toolbox, tokenizer, cfg, algorithm,
+                                                                 seed=seed, show_progress=False)

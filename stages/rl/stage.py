@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stages.core.algorithm_spec import ALGORITHMS
 from stages.core.atomic import read_jsonl, write_text
 from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
@@ -20,10 +21,10 @@ from stages.core.inputs import check_rl_rows
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.workspace import stage_dir
-from stages.cost.basis import step_identity, write_identity
 from stages.rl.card import algorithm_card, card_markdown
 from stages.rl.engines import RL_ENGINES, engine_version
 from stages.rl.retention import drop_optimizer_state
+from stages.rl.step_identity import step_identity, write_identity
 from stages.rl.trainer import publish_results, training_identity
 
 log = get_logger(__name__)
@@ -40,10 +41,10 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     """
     if not cfg.enabled:
         return passthrough(policy)
-    ablation = aepo_components_off(cfg)
+    ablation = components_off(cfg)
     if ablation:
-        log.warning("rl.algorithm=aepo with %s switched off: an AEPO ablation (the entropy-aware advantage off is "
-                    "how the published AEPO run trained; algorithm_card.md says so)", ", ".join(ablation))
+        log.warning("rl.algorithm=%s with %s switched off: an ablation (AEPO's entropy-aware advantage off is how "
+                    "the published AEPO run trained; algorithm_card.md says so)", cfg.algorithm, ", ".join(ablation))
     engine = RL_ENGINES.get(cfg.engine)
     out = stage_dir(output_root, "rl", rl_key(cfg, agent, policy, data, seed, dtype), force=force)
     if not out.complete:
@@ -63,7 +64,7 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     return CheckpointRef(path=marker["final"], fingerprint=out.fingerprint, format=marker.get("format", "trainer"),
                          base=base_model(policy), step=int(marker["steps"]),
                          meta={"algorithm": cfg.algorithm, "engine": cfg.engine, **marker.get("meta", {}),
-                               **({"aepo_off": ablation} if ablation else {})})
+                               **({"components_off": ablation} if ablation else {})})
 
 
 def rl_key(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef, seed: int = 0,
@@ -76,14 +77,10 @@ def rl_key(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
                       engine_version(cfg.engine, python))
 
 
-def aepo_components_off(cfg: RLSection) -> list[str]:
-    """AEPO components a config switches off explicitly under rl.algorithm=aepo (allowed: the reference has one
-    switch per component and the AEPO paper ablates each; the run's artifacts name them)."""
-    if cfg.algorithm != "aepo":
-        return []
-    return [name for name, on in (("entropy-balanced clipping", cfg.loss.policy_loss == "aepo_balanced_clip"),
-                                  ("entropy-aware advantage", cfg.advantage.entropy_aware),
-                                  ("branch penalty", cfg.rollout.branch_penalty > 0)) if not on]
+def components_off(cfg: RLSection) -> list[str]:
+    """The algorithm's components (stages/core/algorithm_spec.py) a config switches off explicitly (allowed: the
+    reference has one switch per component and the AEPO paper ablates each; the run's artifacts name them)."""
+    return ALGORITHMS.get(cfg.algorithm).components_off(cfg)
 
 
 def passthrough(policy: ModelRef | CheckpointRef) -> CheckpointRef:
@@ -97,4 +94,4 @@ def base_model(policy: ModelRef | CheckpointRef) -> ModelRef | None:
     return policy if isinstance(policy, ModelRef) else policy.base
 
 
-__all__ = ["CARD_FILE", "aepo_components_off", "base_model", "passthrough", "rl_key", "run_rl"]
+__all__ = ["CARD_FILE", "components_off", "base_model", "passthrough", "rl_key", "run_rl"]

@@ -1,12 +1,16 @@
-"""Rollout strategies: one registry, one signature `factory(cfg: RolloutSection) -> RolloutStrategy`.
+"""Rollout strategies (the branch rule of each algorithm): one registry, one signature
+`factory(cfg: RolloutSection) -> RolloutStrategy`, registered under the algorithm's name (rl.algorithm).
 
-A strategy answers three questions for the engine; the engine owns the loop, the tools and the budget.
+A strategy answers three questions for the rollout driver, which owns the loop, the tools and the budget.
 - how many root trajectories a group starts with (`initial_rollouts`; AEPO may ask for a probe first),
-- whether a candidate makes a copy (`should_branch(u, dH, c)`, u ~ U[0,1) drawn by the engine),
+- whether a candidate makes a copy (`should_branch(u, dH, c)`, u ~ U[0,1) drawn by the driver),
 - whether leftover budget is filled with fresh roots.
 
-    grpo  n independent samples, no branching
-    arpo  initial_rollouts roots; P(branch) = clip(tau + w dH, 0, 1); fresh roots fill leftover budget
+Whether a group grows as a tree at all (copies, fresh roots) is the algorithm's growth in
+stages/core/algorithm_spec.py; the strategies read it there. Their own code:
+
+    grpo  never branches
+    arpo  initial_rollouts roots; P(branch) = clip(tau + w dH, 0, 1)
     aepo  like arpo with the consecutive-branch penalty clip((u + w dH)(1 - penalty c)) >= tau, and (with
           rl.rollout.dynamic_rollouts) entropy pre-monitoring for the initial count
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from stages.core.algorithm_spec import ALGORITHMS
 from stages.core.config.rl import RolloutSection
 from stages.core.registry import Registry
 from stages.rl.branching import (
@@ -29,9 +34,17 @@ from stages.rl.branching import (
 class RolloutStrategy:
     name: str
     cfg: RolloutSection
-    branching: bool = True
-    fill_fresh: bool = True
     probe: bool = False  # AEPO entropy pre-monitoring decides the initial count
+
+    @property
+    def branching(self) -> bool:
+        """A tree makes copies; independent samples never do (the algorithm's growth)."""
+        return ALGORITHMS.get(self.name).branches
+
+    @property
+    def fill_fresh(self) -> bool:
+        """A tree fills leftover budget with fresh roots; independent samples start all n at once."""
+        return ALGORITHMS.get(self.name).branches
 
     def initial_rollouts(self, h_root: float | None = None, h_tool: float | None = None) -> int:
         if not self.branching:
@@ -47,9 +60,6 @@ class RolloutStrategy:
 
 @dataclass(frozen=True)
 class GRPOStrategy(RolloutStrategy):
-    branching: bool = False
-    fill_fresh: bool = False
-
     def should_branch(self, u: float, dh: float, c: int) -> bool:
         return False
 
@@ -86,5 +96,6 @@ def aepo(cfg: RolloutSection) -> RolloutStrategy:
     return AEPOStrategy("aepo", cfg, probe=cfg.dynamic_rollouts)
 
 
-def get_strategy(cfg: RolloutSection) -> RolloutStrategy:
-    return ROLLOUT_STRATEGIES.get(cfg.strategy)(cfg)
+def get_strategy(algorithm: str, cfg: RolloutSection) -> RolloutStrategy:
+    """The branch rule of `algorithm` (rl.algorithm) over the rollout settings `cfg`."""
+    return ROLLOUT_STRATEGIES.get(algorithm)(cfg)

@@ -33,7 +33,7 @@ from stages.core.errors import BadInputError
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from stages.data import RLRow, read_rl_parquet
+from stages.core.rl_parquet import RLRow, read_rl_parquet
 from stages.generation.models import load_policy, load_tokenizer
 from stages.generation.session import RolloutSession
 from stages.generation.types import RolloutBatch
@@ -94,7 +94,7 @@ def publish_results(cfg: RLSection, folder: Path, history: list[dict[str, Any]],
                           f"{cfg.algorithm}: sample of the rollouts of step {step}")
 
 
-def plan_steps(n_rows: int, cfg: RLSection) -> tuple[int, int]:
+def step_counts(n_rows: int, cfg: RLSection) -> tuple[int, int]:
     """(steps per epoch, total steps). Incomplete last batches are dropped, as the reference does."""
     per_epoch = n_rows // cfg.trainer.train_batch_size
     if per_epoch == 0:
@@ -143,7 +143,7 @@ class RLTrainer:
         self.cfg, self.agent, self.policy, self.data, self.toolbox = cfg, agent, policy, data, toolbox
         self.path, self.cache_root, self.seed = Path(stage_path), Path(cache_root), seed
         self.rows: list[RLRow] = read_rl_parquet(data.file("rl_train"))
-        self.steps_per_epoch, self.total_steps = plan_steps(len(self.rows), cfg)
+        self.steps_per_epoch, self.total_steps = step_counts(len(self.rows), cfg)
         self.ckpt_root = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"
         self.device = pick_device()
@@ -193,7 +193,8 @@ class RLTrainer:
         self.watch = AlarmWatch(self.cfg.alarms, self.path / "alarms.jsonl", resumed_step=state.step)
         pad_id = self.tokenizer.pad_token_id
         session = RolloutSession(self.cfg.rollout.generation(), self.agent, self.model, self.tokenizer, self.data,
-                                 self.cache_root, self.seed, self.toolbox, make_rollout=tree_rollouts(self.cfg.rollout))
+                                 self.cache_root, self.seed, self.toolbox,
+                                 make_rollout=tree_rollouts(self.cfg.rollout, self.cfg.algorithm))
         try:
             with reporter.track("rl", f"RL ({self.cfg.algorithm})", total=self.total_steps, done=state.step) as bar:
                 while state.step < self.total_steps:
@@ -292,4 +293,4 @@ class RLTrainer:
                       per_traj)
 
 
-__all__ = ["RLTrainer", "plan_steps", "publish_results", "rollout_seed", "run_local", "training_identity"]
+__all__ = ["RLTrainer", "step_counts", "publish_results", "rollout_seed", "run_local", "training_identity"]

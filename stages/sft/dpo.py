@@ -26,10 +26,10 @@ from stages.core.inputs import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef
 from stages.core.workspace import stage_dir
+from stages.generation.samples import Sampled, sample, sampling_settings
 from stages.sft import lf_config
 from stages.sft.dataset import teacher_report
 from stages.sft.formats import read_records, sharegpt_row, write_lf_dataset
-from stages.sft.rollouts import Sampled, sample, sampling_section
 from stages.sft.runner import bin_dir, resume_point, run_config, subprocess_env, training_metrics
 from stages.sft.stage import check_hf_folder, local_path, merge_lora, preflight, teacher_key_inputs, template_of
 from stages.sft.teacher import train_tasks
@@ -66,7 +66,7 @@ def preference_pairs(sampled: Sequence[Sampled], correct: Sequence[Sequence[bool
 
 def ranking_row(path: Path, index: int, raw: Any) -> dict[str, Any]:
     """Validate a sharegpt ranking row (conversations ending with the user; chosen/rejected assistant turns)."""
-    from stages.data.rl_parquet import DatasetRowError
+    from stages.core.rl_parquet import DatasetRowError
 
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), dict) for k in ("chosen", "rejected")):
         raise DatasetRowError(path, index, "a preference row needs 'chosen' and 'rejected' {from, value} objects")
@@ -159,8 +159,8 @@ def sampled_pairs(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRe
     if data is None:
         raise ValueError("sft.dpo.source=sampled needs the data stage's DatasetRef (its 'tasks' and 'corpus')")
     tasks = train_tasks(data.file("tasks"))[: dpo.max_questions]
-    rollout = sampling_section(dpo.samples_per_question, dpo.temperature, dpo.max_new_tokens,
-                               agent.limits.max_calls, backend=dpo.rollout_backend)
+    rollout = sampling_settings(dpo.samples_per_question, dpo.temperature, dpo.max_new_tokens,
+                                agent.limits.max_calls, backend=dpo.rollout_backend)
     sampled = sample(checkpoint, tasks, agent, data, cache_root, rollout, seed=cfg.seed)
     correct = []
     for item in sampled:

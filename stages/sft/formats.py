@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from stages.core.atomic import atomic_path, write_json
 from stages.core.errors import BadInputError, MissingInputError
-from stages.data.rl_parquet import DatasetRowError
+from stages.core.rl_parquet import DatasetRowError
 
 Format = Literal["sharegpt", "alpaca"]
 _ROLE_TAGS = {"human": "human", "user": "human", "gpt": "gpt", "assistant": "gpt", "observation": "observation",

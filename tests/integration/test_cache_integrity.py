@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from stages.core.config import load_config
-from stages.core.plan import make_plan
+from stages.core.config.loader import load_config
 from stages.core.refs import Ref
+from stages.core.selection import select_stages
 from stages.core.workspace import stage_dir
 from tasks.common import forced, run_stage, stage_task
 from tasks.data import data_task
@@ -30,7 +30,7 @@ def _prefect(prefect_harness):
 @flow
 def data_flow(seed: int, root: str, verify: bool = False) -> tuple[str, Ref]:
     cfg = load_config("tiny-cpu", [f"data.synthetic.seed={seed}"])
-    state = run_stage(data_task, make_plan(), "data", cfg.data, root, return_state=True)
+    state = run_stage(data_task, select_stages(), "data", cfg.data, root, return_state=True)
     return state.name, state.result()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from tasks.cost import cost_plan_task
 
 pytestmark = pytest.mark.integration

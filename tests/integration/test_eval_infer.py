@@ -24,7 +24,7 @@ from stages.core.refs import EndpointRef
 from stages.eval.agent_loop import EVAL_STOPS, SampleState
 from stages.eval.inference import FINAL, PARTIAL, eval_agent, loop_settings, run_inference
 from stages.eval.reuse import finished_inference
-from stages.eval.serving import planned_endpoint
+from stages.eval.serving import expected_endpoint
 
 pytestmark = pytest.mark.integration
 FIELDS = {"id", "benchmark", "sample", "question", "golds", "task_type", "prediction", "output", "finish_reason",
@@ -77,7 +77,7 @@ def test_real_benchmarks_and_synthetic_end_to_end(endpoint, tiny_model, tiny_con
         assert again == ref                                             # complete: reused, not rerun
         # a rerun sees these predictions before serving anything (the pipeline then starts no server); it plans
         # the server the session fixture started (served as "smol": the rows name what answered)
-        planned = planned_endpoint(tiny_config.serve.model_copy(update={"served_name": "smol"}), tiny_model)
+        planned = expected_endpoint(tiny_config.serve.model_copy(update={"served_name": "smol"}), tiny_model)
         assert finished_inference(cfg, tiny_config.agent, name, tiny_model, planned, synthetic_data,
                                   tmp_path) == ref.fingerprint
 
@@ -117,7 +117,7 @@ def test_tool_calls_run_through_the_toolbox_with_limit_feedback(tiny_config, syn
 
 KILLED_RUN = """
 import json, sys
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from stages.eval.inference import run_inference
 args = json.loads(sys.argv[1])
@@ -140,7 +140,7 @@ def test_killed_run_resumes_without_recomputing_finished_samples(endpoint, tiny_
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and run.poll() is None:
-            partial = list(tmp_path.glob(f"eval-infer/*/{PARTIAL}"))
+            partial = list(tmp_path.glob(f"infer/*/{PARTIAL}"))
             if partial and len(partial[0].read_text().splitlines()) >= 1:
                 break
             time.sleep(0.2)
@@ -216,7 +216,7 @@ def test_unreachable_server_fails_and_keeps_nothing_half_done(tiny_model, tiny_c
     with pytest.raises(InferenceIncomplete, match=r"2 of 2 synthetic samples could not reach.*rerun"):
         run_inference(small_eval, tiny_config.agent, "synthetic", tiny_model, dead, synthetic_data, tmp_path,
                       PROJECT_ROOT / ".cache")
-    (partial,) = tmp_path.glob(f"eval-infer/*/{PARTIAL}")
+    (partial,) = tmp_path.glob(f"infer/*/{PARTIAL}")
     assert partial.read_text() == "" and not (partial.parent / FINAL).exists()
 
 
@@ -224,7 +224,7 @@ def test_switching_endpoints_recomputes_moving_one_does_not(endpoint, tiny_model
                                                             small_eval, tmp_path, prefect_harness) -> None:
     from prefect import flow
 
-    from stages.core.plan import make_plan
+    from stages.core.selection import select_stages
     from tasks.common import run_stage
     from tasks.eval_infer import infer_task
 
@@ -232,7 +232,7 @@ def test_switching_endpoints_recomputes_moving_one_does_not(endpoint, tiny_model
 
     @flow
     def infer(served: EndpointRef, refresh: bool) -> tuple[str, str]:
-        state = run_stage(infer_task, make_plan(refresh=["infer"] if refresh else []), "infer", cfg,
+        state = run_stage(infer_task, select_stages(refresh=["infer"] if refresh else []), "infer", cfg,
                           tiny_config.agent, "synthetic", tiny_model, served, synthetic_data, str(tmp_path),
                           str(PROJECT_ROOT / ".cache"), return_state=True)
         return state.name, state.result().fingerprint

@@ -21,9 +21,9 @@ from prefect import flow
 
 from stages.agent.search.local import BM25Backend
 from stages.core.atomic import read_jsonl
-from stages.core.config import load_config
-from stages.core.plan import make_plan
+from stages.core.config.loader import load_config
 from stages.core.refs import DatasetRef, EndpointRef
+from stages.core.selection import select_stages
 from stages.eval.report import build_report
 from stages.eval.scoring import score_predictions
 from tasks.eval_infer import submit_infer
@@ -65,7 +65,7 @@ def scripted_model(log: list) -> FastAPI:
 
 @flow
 def infer_once(cfg, agent, model, endpoint, data, root: str, cache: str, retry: list[str]) -> tuple[str, dict]:
-    future = submit_infer(make_plan(), retry, cfg, agent, "synthetic", model, endpoint, data, root, cache)
+    future = submit_infer(select_stages(), retry, cfg, agent, "synthetic", model, endpoint, data, root, cache)
     state = future.wait() or future.state
     return state.name, future.result().model_dump()
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from stages.core.config import ConfigError, load_config
 from stages.core.config.data import DataSection
-from stages.core.plan import make_plan
+from stages.core.config.loader import ConfigError, load_config
 from stages.core.refs import DatasetRef
+from stages.core.selection import select_stages
 from stages.data.prepare import data_key
 from tasks.bootstrap import bootstrap_task
 from tasks.common import call_stage, forced, run_stage, stage_task
@@ -28,12 +28,12 @@ def _prefect(prefect_harness):
 @flow
 def two_stages(overrides: list[str], refresh: list[str]) -> dict[str, str]:
     cfg = load_config("tiny-cpu", overrides)
-    plan = make_plan(refresh=refresh)
+    selection = select_stages(refresh=refresh)
     states = {}
-    states["bootstrap"] = run_stage(bootstrap_task, plan, "bootstrap", cfg.model, str(TEST_OUTPUTS),
+    states["bootstrap"] = run_stage(bootstrap_task, selection, "bootstrap", cfg.model, str(TEST_OUTPUTS),
                                     str(PROJECT_ROOT / ".cache"), return_state=True)
     # the data stage keys on its own section only; a refreshed bootstrap would not change it
-    states["data"] = run_stage(data_task, plan, "data", cfg.data, str(TEST_OUTPUTS / "flowtest"), return_state=True)
+    states["data"] = run_stage(data_task, selection, "data", cfg.data, str(TEST_OUTPUTS / "flowtest"), return_state=True)
     return {name: state.name for name, state in states.items()}
 
 
@@ -61,8 +61,8 @@ def test_refreshed_output_gets_a_new_fingerprint(tmp_path: Path) -> None:
 
     @flow
     def data_only(refresh: bool) -> str:
-        plan = make_plan(refresh=["data"] if refresh else [])
-        return run_stage(data_task, plan, "data", cfg.data, str(tmp_path)).fingerprint
+        selection = select_stages(refresh=["data"] if refresh else [])
+        return run_stage(data_task, selection, "data", cfg.data, str(tmp_path)).fingerprint
 
     first = data_only(False)
     assert data_only(False) == first
@@ -77,7 +77,7 @@ def isolated_data_task(cfg: DataSection, output_root: str, python: str | None = 
 @flow
 def isolated_data(seed: int, python: str | None) -> tuple[str, DatasetRef]:
     cfg = load_config("tiny-cpu", [f"data.synthetic.seed={seed}"])
-    state = run_stage(isolated_data_task, make_plan(), "data", cfg.data, str(TEST_OUTPUTS / "flowtest"),
+    state = run_stage(isolated_data_task, select_stages(), "data", cfg.data, str(TEST_OUTPUTS / "flowtest"),
                       python=python, return_state=True)
     return state.name, state.result()
 

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from prefect import flow
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.errors import MissingInputError
-from stages.data.rl_parquet import SCHEMA, make_row, write_rl_parquet
+from stages.core.rl_parquet import SCHEMA, make_row, write_rl_parquet
 from tests.conftest import PROJECT_ROOT
 
 pytestmark = pytest.mark.integration
@@ -192,7 +192,7 @@ def test_a_missing_file_while_the_key_is_computed_fails_the_task_once(tmp_path: 
     from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
     from prefect.logging.handlers import APILogWorker
 
-    from stages.core.plan import make_plan
+    from stages.core.selection import select_stages
     from tasks.common import run_stage
     from tasks.data import data_task
 
@@ -200,7 +200,7 @@ def test_a_missing_file_while_the_key_is_computed_fails_the_task_once(tmp_path: 
 
     @flow
     def data_only():
-        state = run_stage(data_task, make_plan(), "data", cfg.data, str(tmp_path), return_state=True)
+        state = run_stage(data_task, select_stages(), "data", cfg.data, str(tmp_path), return_state=True)
         return state, state.result(raise_on_failure=False)
 
     state, exc = data_only()

@@ -13,7 +13,7 @@ import sys
 import pytest
 from prefect import flow, task
 
-from stages.core.config import ConfigError, load_config
+from stages.core.config.loader import ConfigError, load_config
 from stages.core.refs import ScoresRef
 from tasks.common import call_stage, stage_task
 from tasks.eval_score import scores_as_they_finish

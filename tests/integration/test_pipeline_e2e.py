@@ -101,8 +101,8 @@ asyncio.run(main())
 
 
 def stage_of(task_run_name: str) -> str:
-    """Task run names are the stage names; eval tasks are eval-infer-<benchmark>, eval-score, eval-report."""
-    return task_run_name.removeprefix("eval-").split("-")[0]
+    """Task run names are the stage names (stages/core/stage_spec.py); inference runs are infer-<benchmark>."""
+    return task_run_name.split("-")[0]
 
 
 def computed(states: dict[str, set[str]]) -> set[str]:

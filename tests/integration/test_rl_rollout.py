@@ -12,7 +12,7 @@ import torch
 
 from stages.core.config.agent import AgentSection, SearchSection
 from stages.core.config.rl import RolloutSection
-from stages.data import read_rl_parquet
+from stages.core.rl_parquet import read_rl_parquet
 from stages.generation import load_backend
 from stages.generation.prompt_items import PromptItem, build_prompt_items
 from stages.rl.rollout import TreeRollout
@@ -55,7 +55,7 @@ def prompts(synthetic_data, model_and_tokenizer) -> list[PromptItem]:
 
 
 def section(**kw) -> RolloutSection:
-    base = {"strategy": "arpo", "n": 4, "initial_rollouts": 2, "beam_size": 2, "call_limit": 2,
+    base = {"n": 4, "initial_rollouts": 2, "beam_size": 2, "call_limit": 2,
             "max_prompt_length": 1024, "max_response_length": 112, "temperature": 1.0, "entropy_tokens": 8}
     return RolloutSection(**{**base, **kw})
 
@@ -84,8 +84,8 @@ def test_arpo_groups_and_shared_prefixes(model_and_tokenizer, toolbox, prompts):
     model, tok = model_and_tokenizer
     backend = load_backend("transformers", model, tok)
     # tau = 1: every candidate copies while budget remains
-    engine = TreeRollout(backend, toolbox, tok, section(branch_probability=1.0, entropy_weight=0.0), seed=0)
-    batch = engine.rollout(prompts)
+    driver = TreeRollout(backend, toolbox, tok, section(branch_probability=1.0, entropy_weight=0.0), "arpo", seed=0)
+    batch = driver.rollout(prompts)
     assert check_groups(batch, 4) > 0
     assert batch.metrics["tool_calls"] > 0 and batch.metrics["branches"] == sum(g.branches for g in batch.groups)
     for t in batch.trajectories:  # tool results are masked and come back as ' <result>\n...\n</result>' text
@@ -97,9 +97,8 @@ def test_arpo_groups_and_shared_prefixes(model_and_tokenizer, toolbox, prompts):
 def test_aepo_dynamic_groups(model_and_tokenizer, toolbox, prompts):
     model, tok = model_and_tokenizer
     backend = load_backend("transformers", model, tok)
-    cfg = section(strategy="aepo", dynamic_rollouts=True, branch_penalty=0.05, branch_probability=0.0,
-                  probe_tokens=16)
-    batch = TreeRollout(backend, toolbox, tok, cfg, seed=1).rollout(prompts)
+    cfg = section(dynamic_rollouts=True, branch_penalty=0.05, branch_probability=0.0, probe_tokens=16)
+    batch = TreeRollout(backend, toolbox, tok, cfg, "aepo", seed=1).rollout(prompts)
     check_groups(batch, 4)
     for g in batch.groups:
         assert set(g.meta) == {"h_root", "h_tool"} and 1 <= g.initial_rollouts <= 4
@@ -113,7 +112,7 @@ def test_kv_reuse_rollout_equals_reprefill_and_costs_less(model_and_tokenizer, t
     batches = {}
     for reuse in (True, False):
         backend = load_backend("transformers", model, tok, kv_reuse=reuse)
-        batches[reuse] = TreeRollout(backend, toolbox, tok, cfg, seed=0).rollout(prompts[:1])
+        batches[reuse] = TreeRollout(backend, toolbox, tok, cfg, "arpo", seed=0).rollout(prompts[:1])
     fast, slow = batches[True], batches[False]
     assert fast.metrics["branches"] > 0 and fast.metrics["tool_calls"] > 0
     assert [t.response_ids for t in fast.trajectories] == [t.response_ids for t in slow.trajectories]

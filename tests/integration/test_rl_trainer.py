@@ -25,7 +25,7 @@ import torch
 
 from stages.agent.rewards import REWARDS, Reward
 from stages.core.atomic import read_jsonl
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.env import PROJECT_ROOT
 from stages.rl.stage import run_rl
 from stages.rl.trainer import RLTrainer
@@ -56,8 +56,8 @@ def _initial_params(path: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("algo", [
-    ["rl.algorithm=grpo", "rl.rollout.strategy=grpo", "rl.rollout.initial_rollouts=2"],
-    ["rl.algorithm=aepo", "rl.rollout.strategy=aepo", "rl.rollout.branch_penalty=0.05",
+    ["rl.algorithm=grpo", "rl.rollout.initial_rollouts=2"],
+    ["rl.algorithm=aepo", "rl.rollout.branch_penalty=0.05",
      "rl.loss.policy_loss=aepo_balanced_clip", "rl.advantage.entropy_aware=true", "rl.advantage.attribution=hard",
      "rl.loss.kl_coef=0.1", "rl.loss.entropy_coef=0.01", "rl.loss.aggregation=seq_mean_token_mean"],
 ], ids=["grpo", "aepo-all-options"])
@@ -86,7 +86,7 @@ import torch
 from stages.core.env import configure_environment
 configure_environment()
 torch.set_num_threads(1)
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.refs import DatasetRef, ModelRef
 from stages.rl.stage import run_rl
 args = json.loads(sys.argv[1])

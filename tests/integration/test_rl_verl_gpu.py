@@ -14,13 +14,13 @@ import importlib.util
 
 import pytest
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.env import PROJECT_ROOT
 from stages.core.isolate import call_in_interpreter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 MAIN_PYTHON = str(PROJECT_ROOT / ".venv" / "bin" / "python")
-OVERRIDES = ["rl.engine=verl", "rl.rollout.strategy=arpo", "rl.rollout.n=4", "rl.rollout.initial_rollouts=2",
+OVERRIDES = ["rl.engine=verl", "rl.algorithm=arpo", "rl.rollout.n=4", "rl.rollout.initial_rollouts=2",
              "rl.trainer.train_batch_size=2", "rl.trainer.ppo_mini_batch_size=2", "rl.trainer.micro_batch_size=2",
              "rl.trainer.total_steps=2", "rl.trainer.save_every=1", "rl.verl.n_gpus_per_node=1",
              "rl.verl.agent_workers=1", "rl.verl.gpu_memory_utilization=0.3"]

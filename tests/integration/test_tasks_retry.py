@@ -19,9 +19,9 @@ def probe(kind: str, force: bool = False) -> str:
     if kind == "missing":
         raise MissingInputError("benchmark 'gaia': no file at any of [/x/gaia/test.jsonl]")
     if kind == "bad-config":
-        from stages.core.config import load_config
+        from stages.core.config.loader import load_config
 
-        load_config("tiny-cpu", ["rl.rollout.strategy=grpo"])
+        load_config("tiny-cpu", ["rl.algorithm=grpo", "rl.loss.policy_loss=aepo_balanced_clip"])
     raise ConnectionError("the server went away")  # transient: worth retrying
 
 
@@ -39,7 +39,7 @@ def run_count(task_run_id: str) -> int:
 
 @pytest.mark.parametrize("kind,attempts,error", [
     ("missing", 1, "benchmark 'gaia': no file at any of"),
-    ("bad-config", 1, "rl.rollout.strategy=grpo contradicts rl.algorithm=arpo"),
+    ("bad-config", 1, "rl.loss.policy_loss=aepo_balanced_clip: AEPO setting"),
     ("transient", 3, "the server went away"),    # 1 + retries=2
 ])
 def test_input_errors_are_not_retried(prefect_harness, kind, attempts, error) -> None:
@@ -55,7 +55,7 @@ def test_input_errors_are_not_retried(prefect_harness, kind, attempts, error) ->
 
 
 def test_missing_benchmark_fails_the_real_infer_task_once(prefect_harness, tmp_path, monkeypatch) -> None:
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.core.refs import DatasetRef, EndpointRef, ModelRef
     from tasks.eval_infer import infer_task
 

@@ -41,7 +41,7 @@ def main(request_path: str, result_path: str) -> None:
     from stages.core.config.agent import AgentSection, SearchSection
     from stages.core.config.rl import RLSection
     from stages.core.refs import DatasetRef
-    from stages.data import read_rl_parquet
+    from stages.core.rl_parquet import read_rl_parquet
     from stages.generation import GenRequest, SamplingSpec
     from stages.generation.prompt_items import PromptItem, build_prompt_items
     from stages.generation.session import RolloutSession
@@ -51,7 +51,7 @@ def main(request_path: str, result_path: str) -> None:
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(req["model"])
     model = AutoModelForCausalLM.from_pretrained(req["model"], dtype=torch.float32, attn_implementation="sdpa")
-    cfg = RLSection.model_validate({"rollout": {**req["rollout"], "backend": "vllm"}})
+    cfg = RLSection.model_validate({"algorithm": "arpo", "rollout": {**req["rollout"], "backend": "vllm"}})
     agent = AgentSection(search=SearchSection(top_k=1, max_chars_per_passage=120))
     data = DatasetRef.model_validate(req["data"])
     started = time.monotonic()
@@ -79,7 +79,7 @@ def main(request_path: str, result_path: str) -> None:
                          "generated": [len(r.token_ids) for r in session.backend.generate(wide, SamplingSpec(), seed=0)]}
 
     # an ARPO group with the real tools (tau = 1: every candidate branches while budget remains)
-    tree = TreeRollout(session.backend, session.toolbox, tok, cfg.rollout, seed=0, show_progress=False)
+    tree = TreeRollout(session.backend, session.toolbox, tok, cfg.rollout, cfg.algorithm, seed=0, show_progress=False)
     batch = tree.rollout(prompts)
     out["metrics"] = {k: v for k, v in batch.metrics.items() if isinstance(v, (int, float))}
     out["groups"] = [[{"traj_id": t.traj_id, "parent_id": t.parent_id, "kind": t.kind, "fork_at": t.fork_at,

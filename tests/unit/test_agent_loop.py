@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 from pathlib import Path
 
 import pytest
@@ -75,15 +76,15 @@ def test_text_loop_continues_a_cut_call_and_renders_results():
     # (the call that completes exactly at the budget still runs: its segment ended on the stop)
 
 
-def test_sampling_driver_is_rl_engine_without_branching():
-    # ToolRollout (SFT's sampling) and RL's TreeRollout under the grpo strategy run the same loop: identical batches
-    def run(engine_cls):
+def test_sampling_driver_is_the_rl_driver_without_branching():
+    # ToolRollout (SFT's sampling) and RL's TreeRollout under rl.algorithm=grpo run the same loop: identical batches
+    def run(driver_cls):
         tok = ToyTokenizer()
-        engine = engine_cls(ScriptedBackend(tok, search_then_answer()), ToyToolBox(), tok, cfg(n=3, initial_rollouts=3),
+        driver = driver_cls(ScriptedBackend(tok, search_then_answer()), ToyToolBox(), tok, cfg(n=3, initial_rollouts=3),
                             seed=4, show_progress=False)
-        return engine.rollout([PromptItem(0, tok.encode("user: q\nassistant:"), "q", "A", "qa")])
+        return driver.rollout([PromptItem(0, tok.encode("user: q\nassistant:"), "q", "A", "qa")])
 
-    plain, rl = run(ToolRollout), run(TreeRollout)
+    plain, rl = run(ToolRollout), run(functools.partial(TreeRollout, algorithm="grpo"))
     strip = lambda b: [(t.response_ids, t.loss_mask, t.finish_reason, t.kind) for t in b.trajectories]
     assert strip(plain) == strip(rl) and len(plain.trajectories) == 3
     assert plain.trajectories[0].response_text.startswith(SEARCH)

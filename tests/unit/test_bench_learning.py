@@ -33,7 +33,7 @@ bench = _module("bench_learning")
 def test_learning_config_validates_for_every_family_and_algorithm(family: str, algo: str) -> None:
     args = bench.parse_args(["--backend", "transformers"])
     cfg = bench.load(args, family, algo)
-    assert cfg.rl.rollout.strategy == algo and cfg.rl.rollout.n == 8 and cfg.rl.rollout.backend == "transformers"
+    assert cfg.rl.algorithm == algo and cfg.rl.rollout.n == 8 and cfg.rl.rollout.backend == "transformers"
     syn = cfg.data.synthetic
     assert syn.n_math == syn.n_qa == 0 and (syn.n_arith, syn.n_chain) == ((400, 0) if family == "arith" else (0, 400))
     prompt = "tir_python_short" if family == "arith" else "tir_search_python_short"

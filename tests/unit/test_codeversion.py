@@ -17,6 +17,7 @@ from prefect import Task
 import tasks
 from stages.agent.tools import PythonTool, SearchTool
 from stages.core.codeversion import STAGES, CodeIndex, code_text, code_version
+from stages.core.stage_spec import SPECS
 from tasks.common import StageKey
 
 STAGES_DIR = STAGES.package_dir
@@ -79,8 +80,7 @@ def _modulefinder(entry: str) -> set[str]:
 
 def test_every_stage_key_covers_every_module_its_entry_imports() -> None:
     tasks = _stage_tasks()
-    assert {"bootstrap", "data", "sft", "dpo", "rl", "merge", "eval-infer", "eval-score", "eval-report",
-            "heldout"} <= set(tasks)
+    assert set(tasks) == set(SPECS)  # every line of the stage table has its task, and no task is off the table
     for stage, task in tasks.items():
         key_module = task.cache_policy.key_fn.__module__
         calls = [n for n in ast.walk(ast.parse(inspect.getsource(importlib.import_module(key_module))))
@@ -98,9 +98,9 @@ def test_every_stage_key_covers_every_module_its_entry_imports() -> None:
             assert _modulefinder(entry) - covered <= excused, (stage, entry)
 
 
-def test_rl_reads_its_parquet_through_stages_data_and_runs_verl_modules_by_name() -> None:
+def test_rl_reads_its_parquet_through_the_shared_schema_and_runs_verl_modules_by_name() -> None:
     covered = STAGES.closure("stages.rl.stage")
-    assert "stages.data.rl_parquet" in covered
+    assert "stages.core.rl_parquet" in covered
     assert "stages.rl.verl.plugin" in covered  # named as a string: verl imports it in its workers
     assert "stages.agent.sandbox.child.zygote_server" in covered and "stages.agent.search.web" in covered
     assert not [m for m in STAGES.closure("stages.bootstrap.model") if m.startswith(("stages.rl", "stages.agent"))]
@@ -138,16 +138,16 @@ def test_comment_and_docstring_edits_change_no_key(tree: CodeIndex) -> None:
     _edit(tree, "stages.agent.tools", '"""The tools an agent can call', '"""The tools an agent may call')
     _edit(tree, "stages.agent.loop", "from __future__ import annotations\n",
           "from __future__ import annotations  # a comment\n# a comment line\n")
-    _edit(tree, "stages.data.rl_parquet", "\ndef ", "\n\n\ndef ")  # blank lines
+    _edit(tree, "stages.core.rl_parquet", "\ndef ", "\n\n\ndef ")  # blank lines
     assert _keys(tree) == before
 
 
-def test_a_code_change_in_stages_data_changes_the_rl_key(tree: CodeIndex) -> None:
+def test_a_code_change_in_the_shared_rl_parquet_schema_changes_the_rl_and_data_keys(tree: CodeIndex) -> None:
     before = _keys(tree)
-    _edit(tree, "stages.data.rl_parquet", "\ndef ", "\nEXTRA = 1\n\n\ndef ")
+    _edit(tree, "stages.core.rl_parquet", "\ndef ", "\nEXTRA = 1\n\n\ndef ")
     after = _keys(tree)
     assert after["rl"] != before["rl"] and after["data"] != before["data"]
-    assert after["bootstrap"] == before["bootstrap"]  # bootstrap does not use stages.data
+    assert after["bootstrap"] == before["bootstrap"]  # bootstrap does not read the parquet schema
 
 
 def test_saved_index_is_reused_until_a_file_changes(tree: CodeIndex, monkeypatch: pytest.MonkeyPatch) -> None:

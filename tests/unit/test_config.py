@@ -7,8 +7,16 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from stages.core.config import CONFIG_DIR, ConfigError, load_config, profile_names, to_yaml
-from stages.core.config.loader import parse_override, read_yaml, validate
+from stages.core.config.loader import (
+    CONFIG_DIR,
+    ConfigError,
+    load_config,
+    parse_override,
+    profile_names,
+    read_yaml,
+    to_yaml,
+    validate,
+)
 
 
 @pytest.mark.parametrize("profile", profile_names())
@@ -118,20 +126,30 @@ def test_section_hash_changes_only_with_that_section() -> None:
 
 def test_algorithm_is_the_one_source_of_the_rollout_strategy() -> None:
     grpo = load_config("tiny-cpu", ["rl.algorithm=grpo"])
-    assert (grpo.rl.rollout.strategy, grpo.rl.loss.policy_loss, grpo.rl.rollout.branch_penalty) == \
+    assert (grpo.rl.algorithm, grpo.rl.loss.policy_loss, grpo.rl.rollout.branch_penalty) == \
         ("grpo", "ppo_dual_clip", 0.0)
     # the reference AEPO script (docs/reference.md "Published runs"): balanced clipping on, entropy-aware advantage
     # on, dynamic rollouts off; branch penalty 0.05 (issue #44: (u + w dH)(1 - 0.05 c))
     aepo = load_config("tiny-cpu", ["rl.algorithm=aepo"])
-    assert (aepo.rl.rollout.strategy, aepo.rl.rollout.branch_penalty, aepo.rl.loss.policy_loss,
+    assert (aepo.rl.algorithm, aepo.rl.rollout.branch_penalty, aepo.rl.loss.policy_loss,
             aepo.rl.advantage.entropy_aware, aepo.rl.rollout.dynamic_rollouts) == \
         ("aepo", 0.05, "aepo_balanced_clip", True, False)
-    assert load_config("tiny-cpu", ["rl.algorithm=aepo", "rl.rollout.strategy=aepo"]) == aepo  # consistent: fine
+    assert "strategy" not in type(aepo.rl.rollout).model_fields  # no second key to agree with rl.algorithm
+    # null on a component's key is the algorithm's default, whichever algorithm an override picks
+    nulls = ["rl.rollout.branch_penalty=null", "rl.loss.policy_loss=null", "rl.advantage.entropy_aware=null"]
+    assert load_config("tiny-cpu", ["rl.algorithm=aepo", *nulls]) == aepo
+    assert load_config("tiny-cpu", ["rl.algorithm=grpo", *nulls]) == grpo
+
+
+@pytest.mark.parametrize("value", ["grpo", "aepo"])
+def test_rollout_strategy_is_no_key_and_names_the_fix(value) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-cpu", [f"rl.rollout.strategy={value}"])
+    assert "config key 'rl.rollout.strategy' was removed" in str(err.value)
+    assert f"set rl.algorithm instead (rl.algorithm={value})" in str(err.value)
 
 
 @pytest.mark.parametrize("overrides,fix", [
-    (["rl.rollout.strategy=grpo"], "rl.rollout.strategy=grpo contradicts rl.algorithm=arpo.*Set rl.algorithm=grpo"),
-    (["rl.algorithm=aepo", "rl.rollout.strategy=arpo"], "contradicts rl.algorithm=aepo.*Set rl.algorithm=arpo"),
     (["rl.loss.policy_loss=aepo_balanced_clip"], "aepo_balanced_clip: AEPO setting.*Set rl.algorithm=aepo"),
     (["rl.algorithm=grpo", "rl.advantage.entropy_aware=true", "rl.rollout.branch_penalty=0.05"],
      "entropy_aware=true, rl.rollout.branch_penalty=0.05: AEPO setting.*rl.algorithm=grpo"),
@@ -149,12 +167,12 @@ def test_contradicting_algorithm_settings_fail_with_the_fix(overrides, fix) -> N
 
 
 def test_aepo_component_switched_off_is_an_ablation() -> None:
-    from stages.rl.stage import aepo_components_off
+    from stages.rl.stage import components_off
 
     cfg = load_config("aepo-qwen3-14b-deepsearch", ["rl.rollout.branch_penalty=0", "rl.loss.policy_loss=ppo_dual_clip"])
     assert cfg.rl.rollout.branch_penalty == 0.0 and cfg.rl.advantage.entropy_aware
-    assert aepo_components_off(cfg.rl) == ["entropy-balanced clipping", "branch penalty"]
-    assert aepo_components_off(load_config("aepo-qwen3-14b-deepsearch").rl) == []
+    assert components_off(cfg.rl) == ["entropy-balanced clipping", "branch penalty"]
+    assert components_off(load_config("aepo-qwen3-14b-deepsearch").rl) == []
 
 
 @pytest.mark.parametrize("overrides,fix", [
@@ -174,7 +192,7 @@ def test_generation_settings_carry_the_rollout_sections_values() -> None:
 
     from stages.core.config.rl import RolloutSection
 
-    section = RolloutSection(strategy="grpo", n=4, initial_rollouts=4, temperature=0.7, top_k=5, kv_reuse=False,
+    section = RolloutSection(n=4, initial_rollouts=4, temperature=0.7, top_k=5, kv_reuse=False,
                              max_response_length=64, prompt_overflow="skip")
     settings = section.generation()
     # every field generation reads is the section's own value, by name (no default restated elsewhere)

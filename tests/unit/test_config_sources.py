@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from stages.core.config import CONFIG_DIR, ConfigError, RunConfig, load_config, profile_names
-from stages.core.config.loader import deep_merge, read_profile, read_yaml
+from stages.core.config.loader import (
+    CONFIG_DIR,
+    ConfigError,
+    RunConfig,
+    deep_merge,
+    load_config,
+    profile_names,
+    read_profile,
+    read_yaml,
+)
 from stages.core.config.names import registry_fields
 from stages.core.registry import find_registry, registry_kinds
 
@@ -53,9 +61,9 @@ def test_aepo_deepsearch_is_the_arpo_deepsearch_run_with_the_algorithm_switched(
     arpo = load_config("arpo-qwen3-14b-deepsearch").model_dump(mode="json")
     aepo = load_config("aepo-qwen3-14b-deepsearch").model_dump(mode="json")
     differs = {key for key, value in _leaves(aepo).items() if _leaves(arpo)[key] != value}
-    # by hand: the run's name and profile, the algorithm and what it implies (strategy, loss, entropy-aware
+    # by hand: the run's name and profile, the algorithm and what it implies (loss, entropy-aware
     # advantage, branch penalty 0.05), and the published settings both cards and reports compare with
-    assert differs == {"profile", "run.name", "rl.algorithm", "rl.reference_setting", "rl.rollout.strategy",
+    assert differs == {"profile", "run.name", "rl.algorithm", "rl.reference_setting",
                        "rl.rollout.branch_penalty", "rl.loss.policy_loss", "rl.advantage.entropy_aware",
                        "eval.reference_setting"}
     assert len(read_yaml(CONFIG_DIR / "profiles" / "aepo-qwen3-14b-deepsearch.yaml")) == 4  # extends run rl eval
@@ -101,7 +109,7 @@ def test_bad_extends_names_the_file_and_the_fix(tmp_path: Path, files: dict[str,
 @pytest.mark.parametrize("override,message", [
     ("rl.loss.policy_loss=ppo_dual", "rl.loss.policy_loss: unknown policy loss 'ppo_dual'. Did you mean "
                                      "'ppo_dual_clip'?"),
-    ("rl.algorithm=arpoo", "rl.algorithm: unknown rollout strategy 'arpoo'. Did you mean 'arpo'?"),
+    ("rl.algorithm=arpoo", "rl.algorithm: unknown algorithm 'arpoo'. Did you mean 'arpo'?"),
     ("rl.engine=verll", "rl.engine: unknown RL engine 'verll'. Did you mean 'verl'?"),
     ("rl.loss.aggregation=token_means", "rl.loss.aggregation: unknown loss aggregation 'token_means'. Did you mean "
                                         "'token_mean'?"),
@@ -165,7 +173,7 @@ def test_no_literal_copies_a_registry() -> None:
 
 
 def test_loading_a_config_that_keeps_default_names_imports_no_stage_code() -> None:
-    code = ("import sys; from stages.core.config import load_config; load_config('tiny-cpu'); "
+    code = ("import sys; from stages.core.config.loader import load_config; load_config('tiny-cpu'); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('stages.rl')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])

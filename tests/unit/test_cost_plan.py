@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from stages.core.atomic import write_jsonl
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.cost import estimate, measured_run, plan_run, render_markdown, step_identity
-from stages.cost.basis import IDENTITY_FILE, read_measured, write_identity
+from stages.cost.basis import read_measured
+from stages.rl.step_identity import IDENTITY_FILE, write_identity
 
 
 def _lines(est) -> dict[str, tuple]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.cost import estimate, render_markdown
 from stages.cost.basis import Measured
 

@@ -12,8 +12,8 @@ import pytest
 
 from stages.core.atomic import read_jsonl
 from stages.core.config.data import DataSection, SyntheticSection
-from stages.data import DatasetRowError, prepare_data, read_rl_parquet
-from stages.data.rl_parquet import make_row, write_rl_parquet
+from stages.core.rl_parquet import DatasetRowError, make_row, read_rl_parquet, write_rl_parquet
+from stages.data import prepare_data
 from stages.data.synthetic import generate
 
 SMALL = SyntheticSection(seed=3, n_math=20, n_qa=20, n_entities=12)

@@ -252,8 +252,7 @@ def test_unknown_benchmark_and_bad_cap(tmp_path):
 
 
 def test_every_profile_names_registered_benchmarks_and_a_published_setting():
-    from stages.core.config import load_config
-    from stages.core.config.loader import profile_names
+    from stages.core.config.loader import load_config, profile_names
     from stages.eval.report import load_reference_numbers
 
     settings = set(load_reference_numbers()["setting"])

@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages.core.config import load_config
 from stages.core.config.eval import EvalSection
+from stages.core.config.loader import load_config
 from stages.core.workspace import MARKER, stage_dir
 from stages.eval.inference import FINAL, PARTIAL, STAGE, infer_key, reopen_infra_failed
 from stages.eval.report import render_infra, report_rows
 from stages.eval.reuse import finished_inference, serving_needs
 from stages.eval.rows import PredictionRow
 from stages.eval.scoring import score_samples, summarize_benchmark
-from stages.eval.serving import planned_endpoint
+from stages.eval.serving import expected_endpoint
 from tests.unit.test_eval_infer import DATA, MODEL, _infer_inputs
 
 
@@ -57,7 +57,7 @@ def test_a_finished_folder_with_infra_failures_reopens_for_only_those(tmp_path: 
     cfg = load_config("tiny-cpu", ["eval.benchmarks=[synthetic]", f"run.output_root={tmp_path / 'out'}"])
     data = _infer_inputs(tmp_path)["data"]                     # a two-question synthetic test split
     args = {"cfg": cfg.eval, "agent": cfg.agent, "benchmark": "synthetic", "model": MODEL,
-            "endpoint": planned_endpoint(cfg.serve, MODEL), "data": data}
+            "endpoint": expected_endpoint(cfg.serve, MODEL), "data": data}
     out = stage_dir(cfg.run.output_root, STAGE, infer_key(**args))
     rows = [_row("q0", 0, "oslo", "oslo").model_dump(), _row("q1", 0, "", "rome", 1).model_dump()]
     (out.path / FINAL).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -75,7 +75,7 @@ def test_a_finished_folder_with_infra_failures_reopens_for_only_those(tmp_path: 
 
 
 def test_retry_reruns_the_task_without_a_wipe() -> None:
-    from stages.core.plan import make_plan
+    from stages.core.selection import select_stages
     from tasks.eval_infer import infer_task, submit_infer
 
     calls = []
@@ -92,9 +92,9 @@ def test_retry_reruns_the_task_without_a_wipe() -> None:
     original = module.refreshed
     module.refreshed = lambda task, refresh: Recorder(refresh) if task is infer_task else None
     try:
-        submit_infer(make_plan(), ["gsm8k"], EvalSection(), None, "gsm8k", MODEL, None, DATA, "out", ".cache")
-        submit_infer(make_plan(), ["gsm8k"], EvalSection(), None, "aime24", MODEL, None, DATA, "out", ".cache")
-        submit_infer(make_plan(refresh=["infer"]), ["gsm8k"], EvalSection(), None, "gsm8k", MODEL, None, DATA, "out",
+        submit_infer(select_stages(), ["gsm8k"], EvalSection(), None, "gsm8k", MODEL, None, DATA, "out", ".cache")
+        submit_infer(select_stages(), ["gsm8k"], EvalSection(), None, "aime24", MODEL, None, DATA, "out", ".cache")
+        submit_infer(select_stages(refresh=["infer"]), ["gsm8k"], EvalSection(), None, "gsm8k", MODEL, None, DATA, "out",
                      ".cache")
     finally:
         module.refreshed = original

@@ -7,7 +7,7 @@ from math import comb
 import numpy as np
 import pytest
 
-from stages.eval.passk import AGGREGATES, bootstrap_ci, pass_at_k, pass_at_k_Q, summarize
+from stages.core.passk import AGGREGATES, bootstrap_ci, pass_at_k, pass_at_k_Q, summarize
 
 
 @pytest.mark.parametrize("k, expected", [

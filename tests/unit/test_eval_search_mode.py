@@ -54,6 +54,8 @@ def test_each_benchmark_gets_its_own_search() -> None:
     replay = search.model_copy(update={"browse": search.browse.model_copy(update={"mode": "replay",
                                                                                   "replay_path": "p.json"})})
     assert search_mode(benchmark_search(cfg, replay, "gaia")) == "browse (en, replay)"
+    jina = search.model_copy(update={"browse": search.browse.model_copy(update={"reader": "jina"})})
+    assert search_mode(benchmark_search(cfg, jina, "gaia")) == "browse (en, jina)"
 
 
 def test_the_benchmark_search_is_in_the_inference_key_and_the_toolbox_agent() -> None:

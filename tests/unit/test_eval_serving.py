@@ -18,7 +18,7 @@ from stages.core.config.serve import ServeSection, VLLMSection
 from stages.core.env import PROJECT_ROOT
 from stages.core.procs import free_port, group_members, kill_group, launch, stop_group
 from stages.core.refs import EndpointRef, ModelRef
-from stages.eval.serving import planned_endpoint, planned_judge, start_judge, start_server, stop_server
+from stages.eval.serving import expected_endpoint, expected_judge, start_judge, start_server, stop_server
 from stages.eval.vllm_cmd import ServeError, resolve_executable, resolve_vllm, vllm_command, vllm_env
 
 MODEL = ModelRef(path="/models/qwen7b", fingerprint="f" * 16, name="Qwen2.5-7B-Instruct")
@@ -41,7 +41,7 @@ def test_vllm_command_line_carries_every_setting() -> None:
 
 
 def test_tiny_profile_serves_with_vllm_cpu_settings() -> None:
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
 
     serve = load_config("tiny-cpu").serve
     assert serve.backend == "vllm" and serve.vllm.python == ".venv-vllm/bin/python"
@@ -179,15 +179,15 @@ def test_judge_is_none_policy_or_served(tmp_path: Path) -> None:
 
 def test_planned_endpoints_carry_what_the_started_ones_would() -> None:
     # the identity stage keys hash: served name, weights fingerprint, sampling extras (vllm: yes; external: opt-in)
-    planned = planned_endpoint(ServeSection(served_name="smol"), MODEL)
+    planned = expected_endpoint(ServeSection(served_name="smol"), MODEL)
     assert (planned.model, planned.model_fingerprint, planned.meta["sampling_extras"]) == ("smol", "f" * 16, True)
     assert "pgid" not in planned.meta and planned.meta["planned"] is True     # nothing to stop
     stop_server(planned)
-    external = planned_endpoint(ServeSection(backend="external", url="http://h/v1"), MODEL)
+    external = expected_endpoint(ServeSection(backend="external", url="http://h/v1"), MODEL)
     assert external.model == "Qwen2.5-7B-Instruct" and external.meta["sampling_extras"] is False
-    assert planned_judge(JudgeSection(enabled=False), planned) is None
-    assert planned_judge(JudgeSection(model="policy"), planned).meta["shared_with"] == "policy"
-    judge = planned_judge(JudgeSection(model="path", path="/models/judge72b"), planned)
+    assert expected_judge(JudgeSection(enabled=False), planned) is None
+    assert expected_judge(JudgeSection(model="policy"), planned).meta["shared_with"] == "policy"
+    judge = expected_judge(JudgeSection(model="path", path="/models/judge72b"), planned)
     assert judge.model == "judge72b" and judge.model_fingerprint != planned.model_fingerprint
 
 
@@ -203,7 +203,7 @@ def test_planned_endpoints_carry_what_the_started_ones_would() -> None:
 ])
 def test_serving_needs_starts_only_what_uncached_steps_use(monkeypatch: pytest.MonkeyPatch, judge, infer_done,
                                                            score_done, refresh, expected) -> None:
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
     from stages.core.refs import DatasetRef
     from stages.eval import reuse
 
@@ -218,7 +218,7 @@ def test_serving_needs_starts_only_what_uncached_steps_use(monkeypatch: pytest.M
     cfg = load_config("tiny-cpu", [f"eval.judge={judge}"])
     needs = reuse.serving_needs(cfg, MODEL, DatasetRef(path="/d", fingerprint="d" * 16), refresh, score=True)
     assert (needs.policy, needs.judge) == expected
-    assert seen.get("endpoint", needs.policy_endpoint) == planned_endpoint(cfg.serve, MODEL)
+    assert seen.get("endpoint", needs.policy_endpoint) == expected_endpoint(cfg.serve, MODEL)
     assert bool(needs.missing) == any(expected)
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.config import load_config
 from stages.core.config.agent import AgentSection, SearchSection
 from stages.core.config.browse import SummarizerSection
 from stages.core.config.eval import EvalSection
-from stages.core.config.loader import ConfigError
+from stages.core.config.loader import ConfigError, load_config
 from stages.core.config.serve import ServeSection, VLLMSection
 from stages.core.errors import BadInputError
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
@@ -152,7 +151,7 @@ def test_the_toolbox_reaches_the_served_summariser_at_its_endpoint() -> None:
 def test_the_pipeline_stops_policy_and_summariser_servers_even_when_evaluation_fails(
         monkeypatch: pytest.MonkeyPatch, fail: bool) -> None:
     import flows.pipeline as pipeline
-    from stages.core.plan import make_plan
+    from stages.core.selection import select_stages
 
     cfg = load_config("tiny-cpu", SERVED)
     policy = EndpointRef(url="http://127.0.0.1:1/v1", model="smol", meta={"pgid": 1})
@@ -171,16 +170,16 @@ def test_the_pipeline_stops_policy_and_summariser_servers_even_when_evaluation_f
     monkeypatch.setattr(pipeline, "serve_task", lambda *args: policy)
     monkeypatch.setattr(pipeline, "judge_serve_task", lambda *args: pytest.fail("no judge is needed"))
     monkeypatch.setattr(pipeline, "summarizer_serve_task",
-                        lambda section, run_dir: summ if section == cfg.agent.search.summarizer else None)
+                        lambda section, run_dir, devices: summ if section == cfg.agent.search.summarizer else None)
     monkeypatch.setattr(pipeline, "FANOUT", {"threads": lambda cfg: fanout})
     monkeypatch.setattr(pipeline, "run_stage", lambda *args, **kw: "report")
     monkeypatch.setattr(pipeline, "stop_task", lambda endpoint: seen["stopped"].append(endpoint))
-    plan = make_plan()
+    selection = select_stages()
     if fail:
         with pytest.raises(RuntimeError, match="inference failed"):
-            pipeline.evaluate(cfg, plan, MODEL, DATA, "/run", {})
+            pipeline.evaluate(cfg, selection, MODEL, DATA, "/run", {})
     else:
-        pipeline.evaluate(cfg, plan, MODEL, DATA, "/run", {})
+        pipeline.evaluate(cfg, selection, MODEL, DATA, "/run", {})
     assert seen["fanout"] == (policy, summ)                   # the inference tasks get the summariser's endpoint
     assert seen["stopped"] == [policy, summ]                  # both servers stop, in a finally
     # nothing to summarise (its benchmarks cached): no summariser server, nothing else to stop
@@ -188,5 +187,5 @@ def test_the_pipeline_stops_policy_and_summariser_servers_even_when_evaluation_f
     monkeypatch.setattr(pipeline, "summarizer_serve_task", lambda *args: pytest.fail("not needed"))
     seen["stopped"] = []
     if not fail:
-        pipeline.evaluate(cfg, plan, MODEL, DATA, "/run", {})
+        pipeline.evaluate(cfg, selection, MODEL, DATA, "/run", {})
         assert seen["fanout"] == (policy, None) and seen["stopped"] == [policy]

@@ -13,12 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel
 
-from stages.core.config import CONFIG_DIR, ConfigError, load_config
+from stages.core.config.loader import CONFIG_DIR, ConfigError, load_config
 from stages.core.config.root import RunConfig
 from stages.core.errors import BadInputError, MissingInputError
-from stages.core.inputs import check_input, check_inputs, check_rl_rows, hash_input, input_file
+from stages.core.input_check import check_inputs
+from stages.core.inputs import check_input, check_rl_rows, hash_input, input_file
 from stages.core.refs import DatasetRef
-from stages.data.rl_parquet import make_row, write_rl_parquet
+from stages.core.rl_parquet import make_row, write_rl_parquet
 
 ALL_STAGES = ["bootstrap", "data", "sft", "rl", "heldout", "infer"]
 

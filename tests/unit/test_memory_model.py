@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stages.core.archs import ARCHS, Arch, arch_for
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.errors import BadInputError
 from stages.cost.memory import (
     GIB,

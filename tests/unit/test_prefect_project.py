@@ -13,9 +13,9 @@ import yaml
 
 from flows import server as cli
 from flows.automations import CRASH_AFTER_S, HEARTBEAT_S, crash_silent_runs
-from stages.core.config import profile_names
+from stages.core.config.loader import profile_names
 from stages.core.env import PROJECT_ROOT, local_environment
-from stages.core.plan import GROUPS, STAGES
+from stages.core.selection import GROUPS, STAGES
 
 TOML = tomllib.loads((PROJECT_ROOT / "prefect.toml").read_text())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.errors import MissingInputError
 from stages.rehearse.report import stage_timings, write_report
 from stages.rehearse.rule import Offline, rehearsal_for
@@ -183,3 +183,17 @@ def test_recorded_results_resolve_from_the_project_root_in_any_working_folder(tm
     relative = os.path.relpath(recorded, PROJECT_ROOT)           # e.g. ../shared/data/search_cache.json
     monkeypatch.chdir(tmp_path)
     assert ReplayBackend(relative).path.resolve() == recorded.resolve()
+
+
+@pytest.mark.parametrize("profile", PAPER)
+def test_the_judge_can_be_rehearsed_by_the_served_toy_policy(profile):
+    from dataclasses import replace
+
+    real = load_config(profile, [])
+    assert real.eval.judge.enabled and real.eval.judge.model == "path"       # the 72B judge
+    rehearsal = rehearsal_for(real, replace(REPLAY, judge="policy"))
+    cfg = load_config(profile, rehearsal.overrides())
+    # the judge stays on and judges with the served policy, on the rehearsal's toy reply budget
+    assert cfg.eval.judge.enabled and (cfg.eval.judge.model, cfg.eval.judge.path) == ("policy", None)
+    assert cfg.eval.judge.max_tokens == min(real.eval.judge.max_tokens, 256)
+    assert changed(rehearsal)["eval.judge.model"] == "policy" and "eval.judge.enabled" not in changed(rehearsal)

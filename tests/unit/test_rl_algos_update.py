@@ -15,7 +15,7 @@ from stages.rl import checkpoint as ckpt
 from stages.rl.advantages import entropy_scaling
 from stages.rl.logprobs import collate, policy_forward
 from stages.rl.step_metrics import append_metrics, reconcile_metrics
-from stages.rl.trainer import epoch_order, plan_steps
+from stages.rl.trainer import epoch_order, step_counts
 from stages.rl.update import StepTensors, _trim, branch_parents, ppo_update
 
 torch.set_num_threads(1)
@@ -115,10 +115,10 @@ def test_branch_parents_map_traj_ids_to_rows():
 
 def test_plan_steps_and_epoch_order():
     cfg = RLSection(trainer={"train_batch_size": 4, "epochs": 2})
-    assert plan_steps(10, cfg) == (2, 4)  # 10 // 4 = 2 batches per epoch (last 2 rows dropped), 2 epochs
-    assert plan_steps(10, RLSection(trainer={"train_batch_size": 4, "total_steps": 7})) == (2, 7)
+    assert step_counts(10, cfg) == (2, 4)  # 10 // 4 = 2 batches per epoch (last 2 rows dropped), 2 epochs
+    assert step_counts(10, RLSection(trainer={"train_batch_size": 4, "total_steps": 7})) == (2, 7)
     with pytest.raises(ValueError, match="train_batch_size"):
-        plan_steps(3, cfg)
+        step_counts(3, cfg)
     order = epoch_order(10, seed=0, epoch=0)
     assert sorted(order) == list(range(10)) and order == epoch_order(10, seed=0, epoch=0)
     assert order != epoch_order(10, seed=0, epoch=1)

@@ -10,11 +10,11 @@ from stages.rl.branching import (
     aepo_branch_score,
     aepo_should_branch,
     arpo_should_branch,
+    choose_branches,
     consecutive_rounds,
     dynamic_initial_rollouts,
     fresh_to_add,
     penalty_factor,
-    plan_branches,
 )
 from stages.rl.entropy import EntropyWindow, delta_entropy, window_mean, window_sum
 from stages.rl.strategies import ROLLOUT_STRATEGIES, get_strategy
@@ -106,12 +106,12 @@ def test_aepo_without_penalty_equals_arpo_at_tau_half():
 def test_plan_branches_scans_in_order_within_budget():
     always = lambda dh, planned: True
     cands = [(0, 0.0), (1, 0.0), (2, 0.0)]
-    assert plan_branches(cands, remaining=3, beam_size=3, decide=always) == [0, 0, 1]
-    assert plan_branches(cands, remaining=10, beam_size=3, decide=always) == [0, 0, 1, 1, 2, 2]
-    assert plan_branches(cands, remaining=10, beam_size=1, decide=always) == []   # beam 1: no copies
-    assert plan_branches(cands, remaining=0, beam_size=2, decide=always) == []
+    assert choose_branches(cands, remaining=3, beam_size=3, decide=always) == [0, 0, 1]
+    assert choose_branches(cands, remaining=10, beam_size=3, decide=always) == [0, 0, 1, 1, 2, 2]
+    assert choose_branches(cands, remaining=10, beam_size=1, decide=always) == []   # beam 1: no copies
+    assert choose_branches(cands, remaining=0, beam_size=2, decide=always) == []
     by_dh = lambda dh, planned: dh > 0
-    assert plan_branches([(0, -1.0), (1, 1.0)], remaining=5, beam_size=3, decide=by_dh) == [1, 1]
+    assert choose_branches([(0, -1.0), (1, 1.0)], remaining=5, beam_size=3, decide=by_dh) == [1, 1]
 
 
 def test_plan_branches_draws_a_fixed_count_per_candidate():
@@ -125,13 +125,13 @@ def test_plan_branches_draws_a_fixed_count_per_candidate():
         seen.append((dh, planned))
         return next(outcomes)
 
-    got = plan_branches([(0, 0.1), (1, 0.2), (2, 0.3)], remaining=3, beam_size=3, decide=decide)
+    got = choose_branches([(0, 0.1), (1, 0.2), (2, 0.3)], remaining=3, beam_size=3, decide=decide)
     assert got == [0, 1, 1]
     assert seen == [(0.1, 0), (0.1, 0), (0.2, 1), (0.2, 2)]
     # budget 1 left, beam 3: exactly one draw; a failed draw is not retried (the earlier rule drew again)
     seen.clear()
     outcomes = iter([False, True])
-    assert plan_branches([(0, 0.1)], remaining=1, beam_size=3, decide=decide) == []
+    assert choose_branches([(0, 0.1)], remaining=1, beam_size=3, decide=decide) == []
     assert seen == [(0.1, 0)]
 
 
@@ -182,12 +182,12 @@ def test_entropy_windows():
 
 def test_strategy_registry():
     assert ROLLOUT_STRATEGIES.names() == ["aepo", "arpo", "grpo"]
-    cfg = RolloutSection(strategy="grpo", n=6, initial_rollouts=2)
-    grpo = get_strategy(cfg)
+    cfg = RolloutSection(n=6, initial_rollouts=2)
+    grpo = get_strategy("grpo", cfg)
     assert grpo.initial_rollouts() == 6 and not grpo.branching and not grpo.fill_fresh
-    arpo = get_strategy(cfg.model_copy(update={"strategy": "arpo"}))
+    arpo = get_strategy("arpo", cfg)
     assert arpo.initial_rollouts() == 2 and arpo.branching and arpo.fill_fresh
-    aepo = get_strategy(cfg.model_copy(update={"strategy": "aepo", "dynamic_rollouts": True}))
+    aepo = get_strategy("aepo", cfg.model_copy(update={"dynamic_rollouts": True}))
     assert aepo.probe and aepo.initial_rollouts(0.0, 1.0) == dynamic_initial_rollouts(6, 0.0, 1.0, 0.5)
     with pytest.raises(UnknownNameError, match="Known: \\['aepo', 'arpo', 'grpo'\\]"):
-        get_strategy(cfg.model_copy(update={"strategy": "apro"}))
+        get_strategy("apro", cfg)

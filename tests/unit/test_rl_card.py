@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.rl.card import algorithm_card, card_markdown, card_table, trained_local, trained_verl
 
 

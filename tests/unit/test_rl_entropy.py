@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stages.core.config import ConfigError, load_config
+from stages.core.config.loader import ConfigError, load_config
 from stages.core.config.rl import RolloutSection
 from stages.core.registry import UnknownNameError
 from stages.generation.base import SamplingSpec

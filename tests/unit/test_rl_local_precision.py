@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.refs import ModelRef
 from stages.generation.types import RolloutBatch, RolloutGroup, Trajectory
 from stages.rl.modeling import compute_dtype, configure_for_training, parameters_billion

@@ -1,4 +1,4 @@
-"""Rollout engine logic on a scripted backend + toy tokenizer/toolbox (tests/unit/test_rl_rollout_fakes.py).
+"""Rollout driver logic on a scripted backend + toy tokenizer/toolbox (tests/unit/test_rl_rollout_fakes.py).
 
 Lengths used below (ToyTokenizer: the model writes one id per character; `encode` maps each tag to one id):
     "<search>q</search>"   = 8 + 1 + 9 = 18 model tokens
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from stages.core.config.rl import RolloutSection
-from stages.data import RLRow
+from stages.core.rl_parquet import RLRow
 from stages.generation.prompt_items import PromptItem, PromptTooLongError, build_prompt_items
 from stages.rl.rollout import TreeRollout
 from tests.unit.test_rl_rollout_fakes import (
@@ -25,7 +25,7 @@ SEARCH, ANSWER = "<search>q</search>", "<answer>A</answer>" + EOS
 
 
 def cfg(**kw) -> RolloutSection:
-    base = {"strategy": "grpo", "n": 1, "initial_rollouts": 1, "beam_size": 2, "call_limit": 3,
+    base = {"n": 1, "initial_rollouts": 1, "beam_size": 2, "call_limit": 3,
             "max_prompt_length": 64, "max_response_length": 200, "entropy_tokens": 20}
     return RolloutSection(**{**base, **kw})
 
@@ -36,13 +36,13 @@ def search_then_answer(e_search: float = 0.0, e_answer: float = 0.0):
     return policy
 
 
-def run(policy, section: RolloutSection, n_prompts: int = 1, seed: int = 0):
+def run(policy, section: RolloutSection, n_prompts: int = 1, seed: int = 0, algorithm: str = "grpo"):
     tok = ToyTokenizer()
     backend, box = ScriptedBackend(tok, policy), ToyToolBox()
-    engine = TreeRollout(backend, box, tok, section, seed=seed, show_progress=False)
+    driver = TreeRollout(backend, box, tok, section, algorithm, seed=seed, show_progress=False)
     prompts = [PromptItem(g, tok.encode(f"user: question {g}\nassistant:"), f"question {g}", "A", "qa")
                for g in range(n_prompts)]
-    return engine, engine.rollout(prompts), backend, box, tok
+    return driver, driver.rollout(prompts), backend, box, tok
 
 
 def test_loss_mask_and_tokens_kept_as_sampled():
@@ -114,9 +114,9 @@ def test_grpo_independent_roots_share_one_prompt_prefill():
 
 def test_arpo_paper_window_branches_after_post_result_segment():
     # tau = 0, w = 1: P = clip(dH); first segment H = 0 (baseline), post-result segment H = 1 -> dH = 1 -> P = 1
-    section = cfg(strategy="arpo", n=4, initial_rollouts=2, branch_probability=0.0, entropy_weight=1.0,
+    section = cfg(n=4, initial_rollouts=2, branch_probability=0.0, entropy_weight=1.0,
                   entropy_window="paper", entropy_aggregation="mean")
-    _, batch, backend, _, _ = run(search_then_answer(0.0, 1.0), section)
+    _, batch, backend, _, _ = run(search_then_answer(0.0, 1.0), section, algorithm="arpo")
     (g,) = batch.groups
     assert [t.kind for t in g.trajectories] == ["root", "root", "branch", "branch"]
     assert g.branches == 2 and g.fresh == 0 and g.initial_rollouts == 2
@@ -133,22 +133,23 @@ def test_arpo_paper_window_branches_after_post_result_segment():
 
 def test_arpo_reference_window_is_one_round_late_and_fresh_fills():
     # reference: the decision after call 1 uses the segment that ended in it = the baseline -> dH = 0 -> P = 0
-    section = cfg(strategy="arpo", n=4, initial_rollouts=2, branch_probability=0.0, entropy_weight=1.0,
+    section = cfg(n=4, initial_rollouts=2, branch_probability=0.0, entropy_weight=1.0,
                   entropy_window="reference")
-    _, batch, _, _, _ = run(search_then_answer(0.0, 1.0), section)
+    _, batch, _, _, _ = run(search_then_answer(0.0, 1.0), section, algorithm="arpo")
     (g,) = batch.groups
     assert g.branches == 0 and g.fresh == 2
     assert [t.kind for t in g.trajectories] == ["root", "root", "fresh", "fresh"]
     # roots take 2 rounds; then one fresh root per round while none is active: 2 more rounds each
     assert batch.metrics["rounds"] == 6.0
-    _, batch_all, _, _, _ = run(search_then_answer(0.0, 1.0), section.model_copy(update={"fresh_fill": "all"}))
+    _, batch_all, _, _, _ = run(search_then_answer(0.0, 1.0), section.model_copy(update={"fresh_fill": "all"}),
+                                algorithm="arpo")
     assert batch_all.groups[0].fresh == 2 and batch_all.metrics["rounds"] == 4.0
 
 
 def test_reference_window_forks_after_result_with_tool_state_copied():
-    section = cfg(strategy="arpo", n=3, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
+    section = cfg(n=3, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
                   entropy_window="reference", beam_size=3)
-    _, batch, _, _, _ = run(search_then_answer(), section)
+    _, batch, _, _, _ = run(search_then_answer(), section, algorithm="arpo")
     root, b1, b2 = batch.groups[0].trajectories
     assert (b1.parent_id, b1.fork_at, b2.parent_id, b2.fork_at) == (0, 26, 0, 26)   # after the 8 result tokens
     assert b1.loss_mask[18:26] == [0] * 8 and b1.response_ids[:26] == root.response_ids[:26]
@@ -157,9 +158,9 @@ def test_reference_window_forks_after_result_with_tool_state_copied():
 def test_executed_tool_calls_count_a_shared_call_once():
     # the root searches once; both copies fork after its result and answer without a call of their own: every
     # trajectory carries 1 call (3 / 3 = 1 per trajectory), but the toolbox ran 1 call for the group (1 / 3)
-    section = cfg(strategy="arpo", n=3, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
+    section = cfg(n=3, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
                   entropy_window="reference", beam_size=3)
-    _, batch, _, box, _ = run(search_then_answer(), section)
+    _, batch, _, box, _ = run(search_then_answer(), section, algorithm="arpo")
     assert [sum(t.tool_calls.values()) for t in batch.trajectories] == [1, 1, 1]
     assert [t.meta.get("inherited_tool_calls", 0) for t in batch.trajectories] == [0, 1, 1]
     assert len(box.batches) == 1 and batch.metrics["tool_calls"] == 3.0
@@ -173,8 +174,8 @@ def test_executed_tool_calls_count_a_shared_call_once():
 def test_exactly_n_and_shared_prefixes_under_random_branching():
     policy = lambda ctx, key: (SEARCH, 0.3) if ctx.count("</result>") < 2 else (ANSWER, 0.6)
     for seed in range(5):
-        section = cfg(strategy="arpo", n=6, initial_rollouts=2, beam_size=3, branch_probability=0.5)
-        _, batch, _, _, _ = run(policy, section, n_prompts=2, seed=seed)
+        section = cfg(n=6, initial_rollouts=2, beam_size=3, branch_probability=0.5)
+        _, batch, _, _, _ = run(policy, section, n_prompts=2, seed=seed, algorithm="arpo")
         for g in batch.groups:
             assert len(g.trajectories) == 6 and g.branches + g.fresh + 2 == 6
             by_id = {t.traj_id: t for t in g.trajectories}
@@ -189,9 +190,9 @@ def test_initial_entropy_is_reset_every_rollout_call():
     def policy(ctx, key):
         return (SEARCH, 0.3 if calls["n"] == 0 else 0.7) if "</result>" not in ctx else (ANSWER, 0.5)
 
-    engine, first, _, _, tok = run(policy, cfg(strategy="arpo", n=2, initial_rollouts=2))
+    driver, first, _, _, tok = run(policy, cfg(n=2, initial_rollouts=2), algorithm="arpo")
     calls["n"] = 1
-    second = engine.rollout([PromptItem(0, tok.encode("user: q\nassistant:"), "q", "A", "qa")])
+    second = driver.rollout([PromptItem(0, tok.encode("user: q\nassistant:"), "q", "A", "qa")])
     # reference window, summed: the first segment is SEARCH, 18 tokens of 0.3 (then 0.7) -> 5.4 (then 12.6)
     assert [t.meta["h_initial"] for t in first.trajectories] == [pytest.approx(18 * 0.3)] * 2
     assert [t.meta["h_initial"] for t in second.trajectories] == [pytest.approx(18 * 0.7)] * 2
@@ -210,9 +211,9 @@ def test_initial_entropy_is_reset_every_rollout_call():
     ("reference", "sum", 1.0, 0.0, 18.0, 9.0, 4),
 ])
 def test_aepo_dynamic_initial_count(window, agg, e_search, e_answer, h_root, h_tool, initial):
-    section = cfg(strategy="aepo", n=4, initial_rollouts=1, dynamic_rollouts=True, branch_probability=1.0,
+    section = cfg(n=4, initial_rollouts=1, dynamic_rollouts=True, branch_probability=1.0, branch_penalty=0.05,
                   entropy_weight=0.0, entropy_window=window, entropy_aggregation=agg)
-    _, batch, _, box, _ = run(search_then_answer(e_search, e_answer), section)
+    _, batch, _, box, _ = run(search_then_answer(e_search, e_answer), section, algorithm="aepo")
     (g,) = batch.groups
     assert g.initial_rollouts == initial and len(g.trajectories) == 4
     assert g.meta == {"h_root": pytest.approx(h_root), "h_tool": pytest.approx(h_tool)}
@@ -229,9 +230,9 @@ def test_reference_window_copies_take_their_own_baseline():
         return (SEARCH, 0.2 if calls == 0 else 0.5) if calls < 2 else (ANSWER, 0.1)
 
     for window, expected in (("reference", 18 * 0.5), ("paper", 18 * 0.2)):
-        section = cfg(strategy="arpo", n=2, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
+        section = cfg(n=2, initial_rollouts=1, branch_probability=1.0, entropy_weight=0.0,
                       entropy_window=window)
-        _, batch, _, _, _ = run(policy, section)
+        _, batch, _, _, _ = run(policy, section, algorithm="arpo")
         root, copy = batch.groups[0].trajectories
         assert copy.kind == "branch" and root.meta["h_initial"] == pytest.approx(18 * 0.2)
         assert copy.meta["h_initial"] == pytest.approx(expected), window
@@ -239,12 +240,12 @@ def test_reference_window_copies_take_their_own_baseline():
 
 def test_prompt_validation_messages():
     tok = ToyTokenizer()
-    engine = TreeRollout(ScriptedBackend(tok, search_then_answer()), ToyToolBox(), tok,
-                           cfg(max_prompt_length=5), show_progress=False)
+    driver = TreeRollout(ScriptedBackend(tok, search_then_answer()), ToyToolBox(), tok,
+                           cfg(max_prompt_length=5), "grpo", show_progress=False)
     with pytest.raises(ValueError, match="max_prompt_length=5"):
-        engine.rollout([PromptItem(0, list(range(2, 12)), "q", "A", "qa")])
+        driver.rollout([PromptItem(0, list(range(2, 12)), "q", "A", "qa")])
     with pytest.raises(ValueError, match="unique"):
-        engine.rollout([PromptItem(0, [2], "q", "A", "qa"), PromptItem(0, [3], "q", "A", "qa")])
+        driver.rollout([PromptItem(0, [2], "q", "A", "qa"), PromptItem(0, [3], "q", "A", "qa")])
 
 
 def test_tool_call_opened_by_the_prompt_is_parsed():
@@ -252,9 +253,9 @@ def test_tool_call_opened_by_the_prompt_is_parsed():
     tok = ToyTokenizer()
     policy = lambda ctx, key: ("q</search>", 0.0) if "</result>" not in ctx else (ANSWER, 0.0)
     backend, box = ScriptedBackend(tok, policy), ToyToolBox()
-    engine = TreeRollout(backend, box, tok, cfg(), show_progress=False)
+    driver = TreeRollout(backend, box, tok, cfg(), "grpo", show_progress=False)
     prompt = [tok.bos_token_id] + tok.encode("user: q\nassistant:<search>", add_special_tokens=False)
-    batch = engine.rollout([PromptItem(0, prompt, "q", "A", "qa")])
+    batch = driver.rollout([PromptItem(0, prompt, "q", "A", "qa")])
     (t,) = batch.trajectories
     assert box.batches == [[("search", "q")]] and t.finish_reason == "eos" and t.tool_calls == {"search": 1}
 
@@ -263,7 +264,7 @@ def rl_row(index: int, question: str) -> RLRow:
     return RLRow(index, "toy", "qa", (("system", "sys"), ("user", question)), "A", question)
 
 
-def test_build_prompt_items_applies_the_chat_template_and_length_policy():
+def test_build_prompt_items_applies_the_chat_template_and_prompt_overflow():
     tok = ToyTokenizer()
     # <bos> + "system: sys\n" (12) + "user: " (6) + question + "\n" (1) + "assistant:" (10) = 30 + len(question)
     rows = [rl_row(7, "ab"), rl_row(8, "x" * 40)]
@@ -290,9 +291,9 @@ def test_build_prompt_items_applies_the_chat_template_and_length_policy():
 def test_aepo_penalty_counter_in_the_engine(counter, kinds):
     # penalty 1: factor max(0, 1 - c) is 1 at c = 0 and 0 from c = 1 on; tau = 1e-9, w = 0: a draw branches iff
     # the factor is 1 (score u * f >= 1e-9). Every trajectory searches until the call limit (3), then ends.
-    section = cfg(strategy="aepo", n=8, initial_rollouts=1, beam_size=2, branch_probability=1e-9,
+    section = cfg(n=8, initial_rollouts=1, beam_size=2, branch_probability=1e-9,
                   entropy_weight=0.0, branch_penalty=1.0, penalty_counter=counter, call_limit=3)
-    _, batch, _, _, _ = run(lambda ctx, key: (SEARCH, 0.0), section)
+    _, batch, _, _, _ = run(lambda ctx, key: (SEARCH, 0.0), section, algorithm="aepo")
     (g,) = batch.groups
     assert [t.kind for t in g.trajectories] == kinds
     assert all(t.finish_reason == "tool_limit" for t in g.trajectories)

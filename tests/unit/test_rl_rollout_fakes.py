@@ -1,4 +1,4 @@
-"""Deterministic fakes for rollout-engine unit tests: a toy tokenizer, a scripted backend, a toy toolbox.
+"""Deterministic fakes for rollout-driver unit tests: a toy tokenizer, a scripted backend, a toy toolbox.
 
 ToyTokenizer: ids 0 = <eos>, 1 = <bos>, then multi-character tokens for the protocol tags (so `encode` of a
 tag gives ONE id), then one id per printable character. The scripted model always writes character by

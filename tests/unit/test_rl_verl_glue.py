@@ -14,7 +14,7 @@ import torch
 
 from stages.agent.rewards import compute_rewards
 from stages.agent.stops import StopMatcher
-from stages.core.config import ConfigError, load_config
+from stages.core.config.loader import ConfigError, load_config
 from stages.core.config.rl import AdvantageSection, RLSection
 from stages.core.config.rl_engine import local_engine_problem, params_from_name
 from stages.generation.base import GenRequest, SamplingSpec
@@ -197,8 +197,7 @@ def test_custom_reward_function_is_our_registry(response, ability):
 
 
 def test_verl_parquet_round_trips_through_our_reader(tmp_path):
-    from stages.data import read_rl_parquet
-    from stages.data.rl_parquet import make_row, write_rl_parquet
+    from stages.core.rl_parquet import make_row, read_rl_parquet, write_rl_parquet
     from stages.rl.verl.launch import write_verl_parquet
 
     rows = read_rl_parquet(write_rl_parquet([make_row(i, "s", "qa", "sys", f"q{i}", f"a{i}", "train")

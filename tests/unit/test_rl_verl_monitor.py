@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.rl.alarms import AlarmStop
 from stages.rl.verl.monitor import Follower, LiveReport, our_row, read_steps, rollout_metrics
 

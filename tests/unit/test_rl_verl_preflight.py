@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.config.rl import AdvantageSection
 from stages.core.config.rl_engine import VerlSection
 from stages.core.errors import DeterministicError

@@ -26,7 +26,8 @@ def _settings(tmp_path, **agent) -> str:
     base = {"python": {"preload": []}, "search": {"backend": "replay", "replay_path": str(replay)}}
     for key, value in agent.items():
         base[key] = value if key == "search" else {**base.get(key, {}), **value}
-    settings = PluginSettings(agent=AgentSection.model_validate(base), cache_root=str(tmp_path / "cache"))
+    settings = PluginSettings(algorithm="arpo", agent=AgentSection.model_validate(base),
+                              cache_root=str(tmp_path / "cache"))
     return str(write_settings(settings, tmp_path / "plugin_settings.json"))
 
 

@@ -15,8 +15,9 @@ import pytest
 
 from stages.agent.prompt_templates import build_messages
 from stages.agent.protocol import ANSWER_STOP, STOP_TAGS
-from stages.sft import seam_preflight, seams
-from stages.sft.seam_preflight import preflight_seams, protocol_tags
+from stages.rehearse import seam_preflight
+from stages.rehearse.seam_preflight import preflight_seams, protocol_tags
+from stages.sft import seams
 from stages.sft.seams import SeamError, SeamInputs, check_special_ids, run_seam_checks
 from tests.conftest import missing_setup
 
@@ -145,7 +146,7 @@ def _local_model(qwen3, folder: Path) -> Path:
 
 
 def test_the_run_preflight_checks_a_local_model_and_remembers_a_pass(qwen3, tmp_path, monkeypatch):
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
 
     model = _local_model(qwen3, tmp_path / "model")
     base = ["model.source=local", f"model.path={model}", f"run.cache_root={tmp_path / 'cache'}",
@@ -166,7 +167,22 @@ def test_the_run_preflight_checks_a_local_model_and_remembers_a_pass(qwen3, tmp_
 
 
 def test_the_preflight_skips_a_model_that_is_not_here(tmp_path):
-    from stages.core.config import load_config
+    from stages.core.config.loader import load_config
 
     cfg = load_config("tiny-cpu", [f"run.output_root={tmp_path}"])  # the bootstrap stage has not run here
     assert preflight_seams(cfg, ["sft", "rl"]) is None
+
+
+def test_the_scripted_teachers_targets_are_checked_and_trained_as_written(qwen3, tmp_path):
+    from stages.core.config.loader import load_config
+
+    target = seam_preflight.teacher_probe_target()
+    # the teacher's own script: reasoning in <think>, a python call, its result, a boxed answer
+    assert target.startswith("<think> ") and "<python>\nprint(2 + 3)\n</python>" in target
+    assert "<result>\n5\n</result>" in target and target.endswith("</answer>") and "\\boxed{5}" in target
+    cfg = load_config("tiny-cpu", [f"run.output_root={tmp_path}"])           # tiny-cpu trains on teacher targets
+    assert cfg.sft.dataset == "teacher"
+    assert target in seam_preflight.seam_inputs(cfg, ["sft"], tmp_path).targets
+    # both Qwen3 templates train it as written: the target carries its own <think>, so no empty block is added
+    for template in ("qwen3", "qwen3_nothink"):
+        assert not failed(run_seam_checks(qwen3, inputs(template, targets=(target,))))

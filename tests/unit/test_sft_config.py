@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.core.config import ConfigError, load_config
+from stages.core.config.loader import ConfigError, load_config
 from stages.core.config.sft import DPOSection, SFTSection
 from stages.core.env import PROJECT_ROOT
 from stages.sft.lf_config import dpo_train_args, export_args, export_command, sft_train_args, train_command

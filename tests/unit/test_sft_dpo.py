@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.data.rl_parquet import DatasetRowError
+from stages.core.rl_parquet import DatasetRowError
+from stages.generation.samples import Sampled, format_metrics, sampling_settings
 from stages.sft.dpo import preference_pairs, ranking_row
-from stages.sft.rollouts import Sampled, format_metrics, sampling_section
 
 GOOD = "<think> x </think>\n<answer> The final answer is \\[ \\boxed{4} \\] </answer>"
 WRONG = "<think> x </think>\n<answer> The final answer is \\[ \\boxed{5} \\] </answer>"
@@ -66,7 +66,12 @@ def test_format_metrics_with_the_reference_reward() -> None:
     assert metrics["mean_reward"] == pytest.approx(0.25)
 
 
-def test_sampling_section_is_plain_grpo() -> None:
-    rollout = sampling_section(n=4, temperature=1.0, max_new_tokens=128, call_limit=3)
-    assert (rollout.strategy, rollout.n, rollout.initial_rollouts, rollout.call_limit) == ("grpo", 4, 4, 3)
-    assert rollout.max_response_length == 128
+def test_sampling_settings_are_plain_independent_samples() -> None:
+    from stages.core.config.rl import RolloutSection
+
+    settings = sampling_settings(n=4, temperature=1.0, max_new_tokens=128, call_limit=3)
+    assert (settings.n, settings.call_limit, settings.max_response_length) == (4, 3, 128)
+    # every other value is the RL section's default, as when this built a grpo RolloutSection
+    same = RolloutSection(n=4, initial_rollouts=4, call_limit=3, max_prompt_length=1024, max_response_length=128,
+                          temperature=1.0, prompt_overflow="skip").generation()
+    assert settings == same

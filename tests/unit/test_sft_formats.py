@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.data.rl_parquet import DatasetRowError
+from stages.core.rl_parquet import DatasetRowError
 from stages.sft.formats import convert_file, dataset_info, write_lf_dataset
 
 SYSTEM = "You are a helpful assistant that can solve the given question step by step with the help of tools."

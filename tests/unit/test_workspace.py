@@ -137,7 +137,7 @@ def test_one_builder_at_a_time_and_a_killed_holder_frees_the_folder(tmp_path: Pa
 
 
 def test_threads_of_one_process_take_turns_and_a_thread_may_retake_its_own(tmp_path: Path) -> None:
-    folder = tmp_path / "eval-infer" / "k"
+    folder = tmp_path / "infer" / "k"
     locks.acquire(folder)
     locks.acquire(folder)                 # the same thread again (a retry): no wait for itself
     other = threading.Event()

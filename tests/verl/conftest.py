@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.config import load_config
+from stages.core.config.loader import load_config
 from stages.core.config.rl import AdvantageSection, RolloutSection
 from stages.rl.verl.mapping import VerlPaths, verl_overrides
 from stages.rl.verl.settings import SETTINGS_ENV, PluginSettings, write_settings
@@ -36,11 +36,11 @@ def paths(tmp: Path) -> VerlPaths:
 def settings_file(tmp_path, monkeypatch):
     """Write plugin settings and point ARPO_VERL_SETTINGS at them (as the launcher does for every Ray worker)."""
 
-    def make(advantage: AdvantageSection | None = None, **rollout) -> PluginSettings:
-        base = {"strategy": "arpo", "n": 4, "initial_rollouts": 2, "beam_size": 2, "branch_probability": 1.0,
+    def make(advantage: AdvantageSection | None = None, algorithm: str = "arpo", **rollout) -> PluginSettings:
+        base = {"n": 4, "initial_rollouts": 2, "beam_size": 2, "branch_probability": 1.0,
                 "entropy_weight": 0.0, "entropy_quantity": "surprisal", "call_limit": 1,
                 "max_prompt_length": 256, "max_response_length": 160}
-        settings = PluginSettings(rollout=RolloutSection(**{**base, **rollout}),
+        settings = PluginSettings(algorithm=algorithm, rollout=RolloutSection(**{**base, **rollout}),
                                   advantage=advantage or AdvantageSection(), seed=5, eos_token_ids=[0])
         path = write_settings(settings, tmp_path / f"settings-{len(list(tmp_path.iterdir()))}.json")
         monkeypatch.setenv(SETTINGS_ENV, str(path))

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.config import load_config, profile_names
+from stages.core.config.loader import load_config, profile_names
 from stages.core.env import PROJECT_ROOT
 from stages.core.refs import DatasetRef, ModelRef
-from stages.data.rl_parquet import make_row, write_rl_parquet
+from stages.core.rl_parquet import make_row, write_rl_parquet
 from stages.rl.verl.launch import prepare
 from stages.rl.verl.mapping import verl_overrides
 from tests.verl.conftest import compose_verl, paths

@@ -168,6 +168,25 @@ def test_stock_list_return_path_would_copy_one_reward_to_every_trajectory(tiny_v
     assert all(data["rm_scores"][r].sum().item() == last for r in range(4))  # the last reward copied to all
 
 
+def test_trees_grow_by_the_algorithm_and_validation_samples_independently(tiny_verl_config, settings_file,
+                                                                          monkeypatch):
+    """The workers read rl.algorithm from the plugin settings (there is no rollout key for it); validation trees
+    are val_n independent samples whatever the training algorithm."""
+    from stages.rl.verl.tree import rollout_tree
+
+    kinds = {}
+    for algorithm, validate in (("arpo", False), ("grpo", False), ("arpo", True)):
+        settings = settings_file(algorithm=algorithm)
+        worker, server, _ = make_worker(tiny_verl_config, monkeypatch)
+        fields = asyncio.get_event_loop().run_until_complete(rollout_tree(
+            server.generate, worker.tokenizer, ToyToolBox(), settings, sample(), {"temperature": 1.0}, global_step=3,
+            validate=validate, val_n=2, request_id="u1"))
+        kinds[algorithm, validate] = [f["extra_fields"]["arpo_kind"] for f in fields]
+    # tau = 1, w = 0 (conftest): every arpo candidate copies while budget lasts; grpo samples all n from the prompt
+    assert kinds["arpo", False].count("branch") == 2 and len(kinds["arpo", False]) == 4
+    assert kinds["grpo", False] == ["root"] * 4 and kinds["arpo", True] == ["root"] * 2
+
+
 def test_verl_advantage_paths_on_our_output_equal_our_advantages(tiny_verl_config, settings_file, monkeypatch):
     from verl.protocol import DataProto
     from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories

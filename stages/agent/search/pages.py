@@ -2,10 +2,17 @@
 
 Live mode, per page, within `timeout_s` of wall-clock time in all: the URL must be http(s) and, unless
 `allow_private_addresses`, resolve to public addresses only; the host's robots.txt is read once (when
-`respect_robots`); the request waits for the overall and the per-host rate limiter; redirects are followed by hand,
+`respect_robots`); the request waits for the per-host and the overall rate limiter; redirects are followed by hand,
 at most `max_redirects`, each hop checked like the first; the body is streamed and read up to `max_bytes` (an HTML
 body past it is cut, a PDF past it fails; other types fail unread). Nothing in a page is executed: HTML is parsed for
-its text only (stages/agent/search/extract.py).
+its text only (stages/agent/search/extract.py). With `reader: jina` the Jina Reader fetches the page instead and its
+text is taken as it is, under the same limits (stages/agent/search/reader.py).
+
+Rate limits are shared like web search's (stages/core/ratelimit.py): one `requests_per_second` for every process
+and thread whose fetcher has the same cache root (`<cache_root>/rate-limits/pages.slot`, e.g. all agent-loop
+workers of a verl run on a host, or a run's parallel benchmarks), and one `per_host_requests_per_second` per host
+(`rate-limits/pages-hosts/<host>.slot`). A page whose turn would come after its time limit fails at once as
+`rate_limited` (transient) instead of waiting.
 
 Every outcome is a `Page`: text when `ok`, else `kind` (http_404, timeout, too_large, robots, ...) and `transient`
 (timeouts, connection errors, HTTP 429/5xx: the network's fault, worth another try). Pages and failures go into the
@@ -16,8 +23,10 @@ is fetched again once older than `transient_retry_s`. Replay mode answers from a
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
+import re
 import socket
 import threading
 import time
@@ -30,15 +39,18 @@ from urllib.robotparser import RobotFileParser
 
 import httpx
 
-from stages.agent.search.base import RateLimiter
 from stages.agent.search.extract import ExtractError, html_to_text, pdf_to_text
+from stages.agent.search.reader import READER_VERSION, jina_key, jina_request, reader_text
 from stages.core.atomic import write_json
 from stages.core.config.browse import BrowseSection
+from stages.core.log import get_logger
+from stages.core.ratelimit import SharedRateLimiter
 from stages.core.store import SQLiteStore, store_key
 
 EXTRACT_VERSION = "bs4-pypdf-1"  # bump when extraction changes what a cached page holds
 ROBOTS_MAX_BYTES = 512_000
 _TEXT_TYPES = ("text/html", "application/xhtml", "text/plain", "application/xml", "text/xml")
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,13 +95,18 @@ def export_page_cache(cache_path: str | Path, out: str | Path) -> int:
         return cache.export(out)
 
 
-def check_address(host: str, allow_private: bool) -> None:
-    """Refuse hosts that resolve to loopback, private, link-local, multicast or reserved addresses."""
+def check_address(host: str, allow_private: bool, resolve: bool = True) -> None:
+    """Refuse hosts that resolve to loopback, private, link-local, multicast or reserved addresses (`resolve`
+    False: only address literals and localhost are checked, no DNS lookup)."""
     if allow_private:
         return
     try:
         addresses = {ipaddress.ip_address(host.strip("[]"))}
     except ValueError:
+        if not resolve:
+            if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
+                raise PageFailure("blocked_address", f"{host} is this machine") from None
+            return
         try:
             infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
         except (OSError, UnicodeError) as err:
@@ -98,6 +115,16 @@ def check_address(host: str, allow_private: bool) -> None:
     for address in addresses:
         if not address.is_global or address.is_multicast:
             raise PageFailure("blocked_address", f"{host} resolves to a non-public address ({address})")
+
+
+def rate_limit_path(cache_root: str | Path, host: str | None = None) -> Path:
+    """The shared rate-limit file of all page requests (`host` None) or of one host's."""
+    root = Path(cache_root) / "rate-limits"
+    if host is None:
+        return root / "pages.slot"
+    name = host.lower()
+    safe = re.sub(r"[^a-z0-9.-]", "_", name)[:80]
+    return root / "pages-hosts" / f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.slot"
 
 
 def _status_failure(status: int) -> PageFailure:
@@ -110,7 +137,8 @@ class PageFetcher:
         self.cfg = cfg
         self._replay: dict[str, object] | None = None
         self.cache: PageCache | None = None
-        self.identity = f"pages-live:{EXTRACT_VERSION}"  # what answers: part of a tool result's cache key
+        self.version = EXTRACT_VERSION if cfg.reader == "direct" else f"{READER_VERSION}:{cfg.jina_url}"
+        self.identity = f"pages-live:{self.version}"  # what answers: part of a tool result's cache key
         if cfg.mode == "replay":
             self._replay = _load_replay(cfg.replay_path)
             self.identity = f"pages-replay:{store_key(self._replay)[:16]}"
@@ -121,8 +149,14 @@ class PageFetcher:
                    "Accept-Language": "zh-CN,zh;q=0.9,en;q=0.5" if cfg.language == "zh" else "en-US,en;q=0.5"}
         self.client = client or httpx.Client(headers=headers, follow_redirects=False, timeout=cfg.timeout_s,
                                              limits=httpx.Limits(max_connections=2 * cfg.fetch_concurrency))
-        self._limiter = RateLimiter(cfg.requests_per_second)
-        self._hosts: dict[str, RateLimiter] = {}
+        self.cache_root = Path(cache_root)
+        self._limiter = None if self._replay is not None else \
+            SharedRateLimiter(rate_limit_path(cache_root), cfg.requests_per_second)
+        self._hosts: dict[str, SharedRateLimiter] = {}
+        self._jina_key = jina_key(cfg) if cfg.reader == "jina" and self._replay is None else ""
+        if cfg.reader == "jina" and self._replay is None and not self._jina_key:
+            log.warning("agent.search.browse.reader=jina without a key (%s is unset): the Jina Reader answers at its "
+                        "keyless rate", cfg.jina_api_key_env)
         self._robots: dict[str, RobotFileParser | None] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=cfg.fetch_concurrency, thread_name_prefix="pages")
@@ -137,7 +171,7 @@ class PageFetcher:
     def fetch(self, url: str) -> Page:
         if self._replay is not None:
             return _replayed(url, self._replay)
-        key = store_key("page", url, EXTRACT_VERSION, self.cfg.max_text_chars, self.cfg.pdf_max_words,
+        key = store_key("page", url, self.version, self.cfg.max_text_chars, self.cfg.pdf_max_words,
                         self.cfg.pdf_max_pages, self.cfg.max_bytes)
         if self.cache is not None:
             hit = self.cache.get(key)
@@ -154,20 +188,32 @@ class PageFetcher:
         return page
 
     # ---- live fetching ---------------------------------------------------------------------------------------
-    def _wait_turn(self, host: str) -> None:
+    def _wait_turn(self, host: str, deadline: float) -> None:
+        """Wait for this request's slot of the host's limit, then of the overall one (so the overall spacing holds
+        for what is sent); a slot past the page's deadline fails now, as `rate_limited`."""
         with self._lock:
-            limiter = self._hosts.setdefault(host, RateLimiter(self.cfg.per_host_requests_per_second))
-        self._limiter.acquire()
-        limiter.acquire()
-        self.requests += 1
+            if host not in self._hosts:
+                self._hosts[host] = SharedRateLimiter(rate_limit_path(self.cache_root, host),
+                                                      self.cfg.per_host_requests_per_second)
+            limiter = self._hosts[host]
+        for which in (limiter, *([self._limiter] if self._limiter else [])):  # none overall: replay, never here
+            wait = which.reserve() - time.time()
+            if wait > deadline - time.monotonic():
+                raise PageFailure("rate_limited", f"the rate limit's next turn is {wait:.1f} s away, past the "
+                                  f"page's {self.cfg.timeout_s:g} s limit", transient=True)
+            if wait > 0:
+                time.sleep(wait)
+        with self._lock:
+            self.requests += 1
 
     def _check(self, url: str, deadline: float) -> None:
         parts = urlsplit(url)  # a ValueError (e.g. "http://[::1") is a bad_url: see _fetch_live
         if parts.scheme not in ("http", "https") or not parts.hostname or len(url) > 2048 \
                 or not url.isprintable() or any(c.isspace() for c in url):
             raise PageFailure("bad_url", f"not a fetchable http(s) URL: {url[:200]!r}")
-        check_address(parts.hostname, self.cfg.allow_private_addresses)
-        if self.cfg.respect_robots and not self._robots_allow(url, deadline):
+        # the reader fetches the page itself: no DNS lookup here, but no private address is handed out either
+        check_address(parts.hostname, self.cfg.allow_private_addresses, resolve=self.cfg.reader == "direct")
+        if self.cfg.respect_robots and self.cfg.reader == "direct" and not self._robots_allow(url, deadline):
             raise PageFailure("robots", f"robots.txt of {parts.hostname} disallows {url[:200]}")
 
     def _robots_allow(self, url: str, deadline: float) -> bool:
@@ -184,7 +230,7 @@ class PageFetcher:
 
     def _read_robots(self, origin: str, deadline: float) -> RobotFileParser | None:
         """The host's rules; None (everything allowed) when it has none (4xx, a redirect, not text)."""
-        self._wait_turn(urlsplit(origin).hostname or "")
+        self._wait_turn(urlsplit(origin).hostname or "", deadline)
         try:
             with self.client.stream("GET", f"{origin}/robots.txt", timeout=_remaining(deadline)) as response:
                 if response.status_code == 429 or response.status_code >= 500:
@@ -201,24 +247,46 @@ class PageFetcher:
     def _fetch_live(self, url: str) -> str:
         deadline = time.monotonic() + self.cfg.timeout_s
         try:
-            for _hop in range(self.cfg.max_redirects + 1):
-                self._check(url, deadline)
-                self._wait_turn(urlsplit(url).hostname or "")
-                with self.client.stream("GET", url, timeout=_remaining(deadline)) as response:
-                    location = response.headers.get("location")
-                    if response.is_redirect and location:
-                        url = urljoin(url, location)
-                        continue
-                    if response.status_code >= 400:
-                        raise _status_failure(response.status_code)
-                    return self._read_text(response, deadline)
+            return self._fetch_jina(url, deadline) if self.cfg.reader == "jina" else self._fetch_direct(url, deadline)
         except (httpx.InvalidURL, ValueError, UnicodeError) as err:
             raise PageFailure("bad_url", f"not a fetchable URL: {type(err).__name__}: {str(err)[:200]}") from err
         except httpx.TimeoutException as err:
             raise PageFailure("timeout", f"no answer within {self.cfg.timeout_s:g} s", True) from err
         except httpx.HTTPError as err:
             raise PageFailure("connection", f"{type(err).__name__}: {str(err)[:200]}", True) from err
+
+    def _fetch_direct(self, url: str, deadline: float) -> str:
+        for _hop in range(self.cfg.max_redirects + 1):
+            self._check(url, deadline)
+            self._wait_turn(urlsplit(url).hostname or "", deadline)
+            with self.client.stream("GET", url, timeout=_remaining(deadline)) as response:
+                location = response.headers.get("location")
+                if response.is_redirect and location:
+                    url = urljoin(url, location)
+                    continue
+                if response.status_code >= 400:
+                    raise _status_failure(response.status_code)
+                return self._read_text(response, deadline)
         raise PageFailure("too_many_redirects", f"more than {self.cfg.max_redirects} redirects")
+
+    def _fetch_jina(self, url: str, deadline: float) -> str:
+        """The page through the Jina Reader: one request, no redirect followed; a refused key is the network's
+        fault for the page (transient: never served from the cache once the key is fixed)."""
+        self._check(url, deadline)
+        self._wait_turn(urlsplit(url).hostname or "", deadline)
+        target, headers = jina_request(self.cfg, url, self._jina_key)
+        with self.client.stream("GET", target, headers=headers, timeout=_remaining(deadline)) as response:
+            if response.status_code in (401, 403):
+                raise PageFailure("reader_refused", f"the Jina Reader refused the request (HTTP "
+                                  f"{response.status_code}); check the key in {self.cfg.jina_api_key_env}", True)
+            if response.status_code >= 300:
+                raise _status_failure(response.status_code)
+            body = _read_body(response, self.cfg.max_bytes, deadline, cut=True)
+            charset = response.charset_encoding
+        try:
+            return reader_text(body, charset, self.cfg.max_text_chars)
+        except ExtractError as err:
+            raise PageFailure(err.kind, str(err)) from err
 
     def _read_text(self, response: httpx.Response, deadline: float) -> str:
         ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()

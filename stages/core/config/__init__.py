@@ -1,14 +1,5 @@
-"""Config models (one module per section) and the YAML loader."""
+"""Config models (one module per section) and the YAML loader (`stages.core.config.loader`: load_config, RunConfig).
 
-from stages.core.config.loader import (
-    CONFIG_DIR,
-    ConfigError,
-    Override,
-    Profile,
-    load_config,
-    profile_names,
-    to_yaml,
-)
-from stages.core.config.root import RunConfig
-
-__all__ = ["CONFIG_DIR", "ConfigError", "Override", "Profile", "RunConfig", "load_config", "profile_names", "to_yaml"]
+Nothing is imported here on purpose: a stage that reads its own section (`stages.core.config.rl`) must not run the
+loader and every other section's model on import, or those modules would enter its code version (its cache key).
+"""

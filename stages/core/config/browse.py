@@ -50,8 +50,25 @@ class BrowseSection(Section):
         "。！？ and jieba words when the snippet is Chinese; Chinese summariser prompt and marker)")
     user_agent: str = Field(DESKTOP_USER_AGENT, description="User-Agent header (the reference's desktop Chrome)")
     requests_per_second: float = Field(20.0, gt=0, description="page requests per second overall (reference: 10x "
-                                       "the search rate, 2/s by default)")
-    per_host_requests_per_second: float = Field(2.0, gt=0, description="page requests per second to one host")
+                                       "the search rate, 2/s by default), one limit for every process and worker "
+                                       "that shares the cache root (<cache_root>/rate-limits/pages.slot)")
+    per_host_requests_per_second: float = Field(2.0, gt=0, description="page requests per second to one host, "
+                                                "shared the same way (one file per host under <cache_root>/"
+                                                "rate-limits/pages-hosts/)")
+    reader: Literal["direct", "jina"] = Field(
+        "direct", description="how a page's text is read (mode=live): direct = fetched from its host and extracted "
+        "here (HTML, PDF); jina = the Jina Reader fetches it (GET jina_url + the page URL) and its markdown is taken "
+        "as is, link targets dropped, as the reference's SDS cn `use_jina` path does (robots.txt is then not read: "
+        "we never contact the host)", json_schema_extra=used_when(mode="live"))
+    jina_url: str = Field("https://r.jina.ai/", description="reader=jina: the reader's base URL, the page URL is "
+                          "appended (reference: https://r.jina.ai/)", json_schema_extra=used_when(reader="jina"))
+    jina_api_key_env: str = Field(
+        "JINA_API_KEY", description="reader=jina: environment variable with the Jina API key, sent as a Bearer "
+        "token (unset: requests go without a key, at Jina's lower keyless rate)",
+        json_schema_extra=used_when(reader="jina"))
+    jina_secret_block: str | None = Field(
+        None, description="reader=jina: Prefect Secret block with the key, read by the pipeline's tasks when "
+        "jina_api_key_env is unset (as agent.search.web.secret_block)", json_schema_extra=used_when(reader="jina"))
     respect_robots: bool = Field(True, description="read each host's robots.txt and skip disallowed pages")
     allow_private_addresses: bool = Field(
         False, description="fetch URLs that resolve to loopback, private or link-local addresses (off: a result or "

@@ -24,6 +24,14 @@ from stages.core.errors import BadInputError
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 
+# Keys a config could set once and no longer can: {key: the fix}, `{value}` being the value the config gives. A
+# profile written for an earlier version then fails with the replacement, not a guess at a similar key.
+RETIRED_KEYS = {
+    "rl.rollout.strategy": "rl.algorithm is the one source of the algorithm, and it picks how the rollout grows "
+                           "(stages/core/algorithm_spec.py): set rl.algorithm instead (rl.algorithm={value}) and "
+                           "remove rl.rollout.strategy",
+}
+
 
 class ConfigError(BadInputError):
     """A config problem, phrased with the key and the fix (a ValueError; never retried)."""
@@ -151,13 +159,18 @@ def explain(err: ValidationError) -> str:
     for issue in err.errors():
         loc = [str(p) for p in issue["loc"]]
         key = ".".join(loc)
-        if issue["type"] == "extra_forbidden":
+        if issue["type"] == "extra_forbidden" and key in RETIRED_KEYS:
+            fix = RETIRED_KEYS[key].format(value=_scalar(issue.get("input")))
+            lines.append(f"config key {key!r} was removed: {fix} (from the profile or the -o overrides)")
+        elif issue["type"] == "extra_forbidden":
             valid = _fields_at(RunConfig, loc[:-1])
             close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
             fix = f"did you mean {'.'.join(loc[:-1] + [close[0]])!r}?" if close else f"valid keys here: {valid}"
             lines.append(f"unknown config key {key!r}: {fix}")
         elif issue["type"] == "value_error":  # a cross-field rule: its message names the keys and the fix
-            lines.append(str(issue["msg"]).removeprefix("Value error, "))
+            msg = str(issue["msg"]).removeprefix("Value error, ")
+            # a section used in several places names its keys from its own name (`vllm.devices=...`): the full path
+            lines.append(".".join(loc[:-1] + [msg]) if loc and msg.startswith(f"{loc[-1]}.") else msg)
         elif issue["type"] == IGNORED_SETTING:  # section.py: one rule for settings the chosen mode ignores
             lines.append(_ignored(f"{key}." if key else "", issue["ctx"]))
         else:

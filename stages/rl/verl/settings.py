@@ -23,6 +23,7 @@ SETTINGS_ENV = "ARPO_VERL_SETTINGS"
 
 
 class PluginSettings(Section):
+    algorithm: str = Field(description="rl.algorithm: the strategy the trees grow by (its growth and branch rule)")
     rollout: RolloutSection = RolloutSection()
     agent: AgentSection = AgentSection()
     advantage: AdvantageSection = AdvantageSection()

@@ -30,7 +30,7 @@ from stages.agent.stops import StopMatcher
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RolloutSection
 from stages.core.fingerprint import hash_value
-from stages.data import RLRow
+from stages.core.rl_parquet import RLRow
 from stages.generation.base import (
     ForwardStats,
     GenRequest,
@@ -50,6 +50,7 @@ ENTROPY_FIELD = "arpo_entropies"   # per-token top-k entropy (nats) from our ser
 TOPK_FIELD = "arpo_entropy_topk"   # sampling param asking our replica for it
 
 GenerateFn = Callable[..., Awaitable[Any]]  # LLMServerClient.generate(request_id, *, prompt_ids, sampling_params)
+VALIDATION_ALGORITHM = "grpo"  # validation trees: val n independent greedy samples, whatever the training algorithm
 
 
 def server_sampling_params(sampling: SamplingSpec, max_new_tokens: int, seed: int | None,
@@ -144,12 +145,13 @@ def row_from_sample(sample: dict[str, Any]) -> RLRow:
 
 def tree_rollout_section(cfg: RolloutSection, sampling_params: dict[str, Any], validate: bool,
                          val_n: int) -> RolloutSection:
-    """The rollout settings of one tree: verl's sampling params (validation: greedy, no branching, val n)."""
+    """The rollout settings of one tree: verl's sampling params (validation: greedy, val n, no AEPO probe; its trees
+    grow by VALIDATION_ALGORITHM)."""
     update: dict[str, Any] = {"temperature": float(sampling_params.get("temperature", cfg.temperature)),
                               "top_p": float(sampling_params.get("top_p", cfg.top_p)),
                               "top_k": int(sampling_params.get("top_k", cfg.top_k))}
     if validate:
-        update |= {"strategy": "grpo", "n": val_n, "initial_rollouts": val_n, "dynamic_rollouts": False}
+        update |= {"n": val_n, "initial_rollouts": val_n, "dynamic_rollouts": False}
     return RolloutSection.model_validate({**cfg.model_dump(), **update})
 
 
@@ -211,7 +213,8 @@ async def rollout_tree(generate: GenerateFn, tokenizer, toolbox, settings: Plugi
     eos = frozenset(settings.eos_token_ids) if settings.eos_token_ids else eos_ids_of(tokenizer)
     backend = ServerBackend(generate, asyncio.get_running_loop(), request_id, tokenizer, eos,
                             TokenEntropy(cfg.entropy_quantity, cfg.entropy_topk))
-    tree = TreeRollout(backend, toolbox, tokenizer, cfg, show_progress=False)
+    tree = TreeRollout(backend, toolbox, tokenizer, cfg, VALIDATION_ALGORITHM if validate else settings.algorithm,
+                       show_progress=False)
     seed = tree_seed(settings.seed, global_step, row.index, validate)
     batch = await asyncio.get_running_loop().run_in_executor(executor, lambda: tree.rollout(items, seed=seed))
     outputs = tree_outputs(batch)

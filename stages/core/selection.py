@@ -1,6 +1,8 @@
-"""Which stages a pipeline run executes and which it forces to recompute. Pure; the flow only reads it.
+"""Which stages a pipeline run executes and which it forces to recompute (the stage selection). Pure; the flow only
+reads it. ("Plan" in this project means only `arpo plan`, the cost estimate: stages/cost.)
 
-Stages run in this order; `eval` names the evaluation group (serve + infer + score + report).
+Stages run in the order of stages.core.stage_spec.STAGE_SPECS; `eval` names the evaluation group (infer + score +
+report, served by one policy server).
 - until=S: run the chain up to and including S.
 - only=[S]: run S; its upstream still runs but is served from cache (it is needed for S's inputs).
 - refresh=[S]: recompute S even if cached. Its downstream follows on its own: S's output fingerprint changes.
@@ -10,16 +12,14 @@ Stages run in this order; `eval` names the evaluation group (serve + infer + sco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from stages.core.errors import DeterministicError
+from stages.core.stage_spec import GROUPS, STAGES, StageName
 
-STAGES: tuple[str, ...] = ("bootstrap", "data", "sft", "rl", "merge", "heldout", "infer", "score", "report")
-GROUPS: dict[str, tuple[str, ...]] = {"eval": ("infer", "score", "report")}
-StageName = Literal["bootstrap", "data", "sft", "rl", "merge", "heldout", "eval", "infer", "score", "report"]
+__all__ = ["GROUPS", "STAGES", "SelectionError", "StageName", "StageSelection", "expand", "select_stages"]
 
 
-class PlanError(ValueError, DeterministicError):
+class SelectionError(ValueError, DeterministicError):
     pass
 
 
@@ -31,12 +31,13 @@ def expand(names: list[str] | tuple[str, ...]) -> list[str]:
         elif name in STAGES:
             out.append(name)
         else:
-            raise PlanError(f"unknown stage {name!r}; stages are {list(STAGES)} (or 'eval' for infer+score+report)")
+            groups = ", ".join(f"'{g}' for {'+'.join(members)}" for g, members in GROUPS.items())
+            raise SelectionError(f"unknown stage {name!r}; stages are {list(STAGES)} (or {groups})")
     return out
 
 
 @dataclass(frozen=True)
-class Plan:
+class StageSelection:
     run: frozenset[str]
     refresh: frozenset[str]
 
@@ -51,10 +52,10 @@ class Plan:
         return " -> ".join(f"{s}{' (refresh)' if s in self.refresh else ''}" for s in order)
 
 
-def make_plan(only: list[str] | None = None, until: str | None = None, refresh: list[str] | None = None,
-              refresh_from: str | None = None) -> Plan:
+def select_stages(only: list[str] | None = None, until: str | None = None, refresh: list[str] | None = None,
+                  refresh_from: str | None = None) -> StageSelection:
     if only and until:
-        raise PlanError("use either `only` or `until`, not both")
+        raise SelectionError("use either `only` or `until`, not both")
     last = len(STAGES) - 1
     if until:
         last = max(STAGES.index(s) for s in expand([until]))
@@ -65,4 +66,4 @@ def make_plan(only: list[str] | None = None, until: str | None = None, refresh: 
     if refresh_from:
         first = min(STAGES.index(s) for s in expand([refresh_from]))
         forced |= set(STAGES[first:])
-    return Plan(run=frozenset(run), refresh=frozenset(forced & run))
+    return StageSelection(run=frozenset(run), refresh=frozenset(forced & run))

@@ -85,7 +85,10 @@ def _first_rl_prompt(cfg: Any) -> list[tuple[str, list[dict[str, str]]]]:
 
 
 def _sft_targets(cfg: Any, rows: int = 3) -> list[str]:
-    """The assistant turns of the first rows of a local .jsonl SFT file (sft.dataset=file), for the thinking check."""
+    """SFT responses for the thinking check: the assistant turns of the first rows of a local .jsonl SFT file
+    (sft.dataset=file), or a trajectory the scripted teacher writes (sft.dataset=teacher)."""
+    if cfg.sft.enabled and cfg.sft.dataset == "teacher":
+        return [teacher_probe_target()]
     path = Path(cfg.sft.dataset_path or "")
     if not (cfg.sft.enabled and cfg.sft.dataset == "file" and path.suffix == ".jsonl" and path.is_file()):
         return []
@@ -107,6 +110,17 @@ def _sft_targets(cfg: Any, rows: int = 3) -> list[str]:
             if len(targets) >= rows:
                 break
     return targets
+
+
+def teacher_probe_target() -> str:
+    """A math trajectory written by the SFT stage's own teacher script (stages.sft.teacher), its python call
+    answered by a stand-in that prints the gold answer: the exact text shape of every teacher target (<think>
+    wording, tool tags, the result block, the boxed answer) without running a tool."""
+    import random
+
+    from stages.sft.teacher import math_trajectory
+
+    return math_trajectory({"solution_code": "print(2 + 3)", "answer": "5"}, lambda call: "5", random.Random(0))
 
 
 def seam_inputs(cfg: Any, stages: Iterable[str], folder: Path) -> SeamInputs:

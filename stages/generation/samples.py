@@ -13,9 +13,9 @@ from typing import Any
 from stages.agent.prompt_templates import build_messages
 from stages.agent.protocol import check_format, count_tool_calls
 from stages.core.config.agent import AgentSection
-from stages.core.config.rl import RolloutSection
+from stages.core.config.generation import GenerationSettings
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from stages.data import RLRow
+from stages.core.rl_parquet import RLRow
 
 
 @dataclass(frozen=True)
@@ -37,23 +37,27 @@ def task_rows(tasks: Sequence[dict[str, Any]], template: str) -> list[RLRow]:
     return rows
 
 
-def sampling_section(n: int, temperature: float, max_new_tokens: int, call_limit: int, backend: str = "transformers",
-                     max_prompt_length: int = 1024) -> RolloutSection:
-    """n independent samples per prompt (ToolRollout does not branch)."""
-    return RolloutSection(strategy="grpo", backend=backend, n=n, initial_rollouts=n, call_limit=call_limit,
-                          max_prompt_length=max_prompt_length, max_response_length=max_new_tokens,
-                          temperature=temperature, prompt_overflow="skip")
+def sampling_settings(n: int, temperature: float, max_new_tokens: int, call_limit: int, backend: str = "transformers",
+                      max_prompt_length: int = 1024) -> GenerationSettings:
+    """n independent samples per prompt (a session without a growth rule does not branch); the other values are
+    the rollout defaults of the RL section (RolloutSection), which this module does not import: SFT's and the
+    held-out stage's keys then do not cover RL's config model."""
+    return GenerationSettings(n=n, call_limit=call_limit, temperature=temperature, top_p=1.0, top_k=-1,
+                              max_prompt_length=max_prompt_length, max_response_length=max_new_tokens,
+                              prompt_overflow="skip", backend=backend, kv_reuse=True, entropy_quantity="topk",
+                              entropy_topk=10)
 
 
 def sample(policy: ModelRef | CheckpointRef, tasks: Sequence[dict[str, Any]], agent: AgentSection, data: DatasetRef,
-           cache_root: str | Path, rollout: RolloutSection, seed: int = 0, questions_per_batch: int = 8) -> list[Sampled]:
+           cache_root: str | Path, rollout: GenerationSettings, seed: int = 0,
+           questions_per_batch: int = 8) -> list[Sampled]:
     """`rollout.n` trajectories for every task, with the real toolbox."""
     from stages.generation.models import load_policy, load_tokenizer
     from stages.generation.session import RolloutSession
 
     tokenizer = load_tokenizer(policy)
     model = load_policy(policy).eval()
-    session = RolloutSession(rollout.generation(), agent, model, tokenizer, data, Path(cache_root), seed=seed)
+    session = RolloutSession(rollout, agent, model, tokenizer, data, Path(cache_root), seed=seed)
     out: list[Sampled] = []
     try:
         rows = task_rows(tasks, agent.prompt_template)
