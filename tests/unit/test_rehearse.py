@@ -164,14 +164,21 @@ def test_a_broken_rehearsal_stops_before_training_with_the_fix(tmp_path, capsys,
     assert code == 2 and check in err and fix in err, err
 
 
-def test_a_dry_run_of_a_sound_profile_passes_every_seam_check(tmp_path, capsys):
+@pytest.mark.parametrize("profile", PAPER)
+def test_a_dry_run_of_each_paper_profile_passes_every_seam_check(tmp_path, capsys, profile):
+    # every shipped paper profile: its toy model (Qwen2 / Qwen3 with the real tokenizer), the seam checks, its data
+    # read with its schema, and the real-scale plan; the 7B one also runs the whole chain (test_rehearse_e2e.py)
     from flows.cli import main
 
-    assert main(["rehearse", "-p", PAPER[0], "--search-replay", REPLAY.search_replay, "--dry-run",
-                 "-o", f"run.output_root={tmp_path}"]) == 0
+    data = DEEP_DATA if profile != PAPER[0] else []
+    assert main(["rehearse", "-p", profile, "--search-replay", REPLAY.search_replay, "--dry-run", "--ephemeral",
+                 *data, "-o", f"run.output_root={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "seam checks: template ok; thinking ok; tags ok; special_ids ok; lengths ok" in out
-    assert "at the real scale, RL steps: 156 over 10000 prompts" in out      # 10,000 // 128 x 2 epochs
+    if profile == PAPER[0]:
+        assert "at the real scale, RL steps: 156 over 10000 prompts" in out      # 10,000 // 128 x 2 epochs
+    else:
+        assert "at the real scale, memory per GPU:" in out and "fits" in out
 
 
 def test_recorded_results_resolve_from_the_project_root_in_any_working_folder(tmp_path, monkeypatch):
