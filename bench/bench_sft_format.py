@@ -50,7 +50,7 @@ def main() -> int:
     from stages.core.atomic import read_jsonl, write_json
     from stages.core.config.loader import load_config
     from stages.data import prepare_data
-    from stages.generation.samples import format_metrics, sample, sampling_section
+    from stages.generation.samples import format_metrics, sample, sampling_settings
     from stages.sft import run_sft
 
     cfg = load_config(args.profile, args.override)
@@ -61,8 +61,8 @@ def main() -> int:
     sft = run_sft(cfg.sft, cfg.agent, model, data, root, cache)
     sft_s = time.perf_counter() - start
     tasks = [t for t in read_jsonl(data.file("tasks")) if t["split"] == "test"][: args.questions]
-    rl = sampling_section(n=1, temperature=0.0, max_new_tokens=args.max_new_tokens,
-                          call_limit=cfg.agent.limits.max_calls)
+    rl = sampling_settings(n=1, temperature=0.0, max_new_tokens=args.max_new_tokens,
+                           call_limit=cfg.agent.limits.max_calls)
     results, seconds = {}, {}
     for name, policy in (("base", model), ("sft", sft)):
         start = time.perf_counter()
