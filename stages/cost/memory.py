@@ -7,8 +7,9 @@
 Each phase is the sum of what is resident on the GPU (FSDP shards, optimizer state, the reference model) and what
 the phase materialises at its worst micro-batch: verl's dynamic-batching partition of one GPU's sequences is
 re-computed (stages/cost/partition.py) over `cost.response_length_mix`, padded to each micro-batch's longest
-sequence when remove-padding is off. The counts of full-vocabulary copies are read from verl 0.9.1's code (the
-docs list file:line); the log-prob pass's logits working set is checked on CPU by bench/bench_memory_model.py.
+sequence when remove-padding is off (`rl.verl.remove_padding`, resolved as the mapping resolves it). The counts of
+full-vocabulary copies are read from verl 0.9.1's code (the docs list file:line); the log-prob pass's logits working
+set is checked on CPU by bench/bench_memory_model.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from stages.core.archs import Arch, arch_for
 from stages.core.config.loader import RunConfig
+from stages.core.config.rl_engine import PACKED_SDPA_FAMILIES
 from stages.core.errors import BadInputError
 from stages.cost.partition import MicroBatch, fixed_micro_batches, micro_batches
 
@@ -119,7 +121,8 @@ def activation_bytes(arch: Arch, mb: MicroBatch, dtype_bytes: int, remove_paddin
     SwiGLU intermediates of one layer, tokens x (2h + 3i). With gradient: what one layer saves for backward,
     tokens x (7h + 4 kv + 4i) (norm inputs, q/k/v/o, attention output, gate, up, act, product), for every layer
     without checkpointing; with checkpointing each layer's input (tokens x h) plus one recomputed layer. Eager
-    attention adds rows x heads x longest^2 scores and probabilities (sdpa / flash kernels keep them O(L))."""
+    attention adds rows x heads x longest^2 scores and probabilities (one row of the packed tokens with
+    remove-padding; sdpa / flash kernels keep them O(L), sdpa's mask is mask_bytes)."""
     tokens = mb.real if remove_padding else mb.padded
     h, i, kv = arch.hidden, arch.intermediate, arch.kv_width
     if not grad:
@@ -128,8 +131,24 @@ def activation_bytes(arch: Arch, mb: MicroBatch, dtype_bytes: int, remove_paddin
         layer = tokens * (7 * h + 4 * kv + 4 * i)
         elems = arch.layers * tokens * h + layer if checkpointing else arch.layers * layer
     if attn == "eager":
-        elems += 2 * mb.rows * arch.heads * mb.longest ** 2
+        elems += 2 * arch.heads * (mb.real ** 2 if remove_padding else mb.rows * mb.longest ** 2)
     return elems * dtype_bytes
+
+
+def mask_bytes(mb: MicroBatch, dtype_bytes: int, remove_padding: bool, attn: str) -> int:
+    """The attention mask transformers 5.9 materialises for sdpa (masking_utils.py `sdpa_mask`): a boolean
+    [rows, 1, L, L] when the micro-batch is padded (none when every row has the same length: is_causal, :521), and
+    with remove-padding one [1, 1, T, T] over the T packed tokens, block-diagonal from the packed position ids
+    (:880-888, :992-994; none for a single sequence). torch's sdpa converts a boolean mask into one of the compute
+    dtype before its kernel (assumed, not measured here): 1 + dtype bytes per element. flash_attention_2 builds no
+    mask; eager's scores are counted in activation_bytes."""
+    if attn != "sdpa":
+        return 0
+    if remove_padding:
+        elems = mb.real ** 2 if mb.rows > 1 else 0
+    else:
+        elems = mb.rows * mb.longest ** 2 if len(set(mb.lengths)) > 1 else 0
+    return elems * (1 + dtype_bytes)
 
 
 def memory_estimate(cfg: RunConfig) -> MemoryEstimate | None:
@@ -145,7 +164,7 @@ def memory_estimate(cfg: RunConfig) -> MemoryEstimate | None:
     n = vs.nnodes * vs.n_gpus_per_node
     c = DTYPE_BYTES.get(cfg.model.dtype, 2)
     P = arch.params
-    rmpad = vs.attn_implementation == "flash_attention_2"   # stages/rl/verl/mapping.py: remove-padding only then
+    rmpad = vs.uses_remove_padding(arch.model_type)   # as stages/rl/verl/mapping.py resolves it
     mix = cfg.cost.response_length_mix
     per_gpu = sequence_lengths(mix, -(-tr.train_batch_size * ro.n // n), ro.max_prompt_length,
                                ro.max_response_length)
@@ -200,12 +219,13 @@ def _pass_phase(name: str, mbs: list[MicroBatch], arch: Arch, c: int, rmpad: boo
             logits += 2 * (mb.real if rmpad else mb.padded) * arch.vocab * c
         acts = activation_bytes(arch, mb, c, rmpad, grad, cfg.rl.trainer.gradient_checkpointing,
                                 cfg.rl.verl.attn_implementation)
-        return logits / GIB, acts / GIB
+        mask = mask_bytes(mb, c, rmpad, cfg.rl.verl.attn_implementation)
+        return logits / GIB, acts / GIB, mask / GIB
 
     worst = max(mbs, key=lambda mb: sum(transient(mb)))
-    logits, acts = transient(worst)
+    logits, acts, mask = transient(worst)
     parts = {**resident, "unsharded params (bf16 gather)": gathered, "activations": acts,
-             "logits (full vocabulary)": logits}
+             "logits (full vocabulary)": logits, **({"attention mask (sdpa)": mask} if mask else {})}
     tokens = worst.real if rmpad else worst.padded
     shape = (f"{worst.rows} sequences, {tokens:,} packed tokens" if rmpad else
              f"{worst.rows} x {worst.longest} = {tokens:,} tokens materialised ({worst.real:,} real)")
@@ -229,8 +249,9 @@ def _fix_pass(name: str, cfg: RunConfig, rmpad: bool) -> str:
     else:
         fixes = [f"lower rl.trainer.micro_batch_size (now {cfg.rl.trainer.micro_batch_size})"]
     if not rmpad:
-        fixes.append("turn on remove-padding (rl.verl.attn_implementation: flash_attention_2) so micro-batches "
-                     "hold only real tokens")
+        fixes.append("turn on remove-padding (rl.verl.remove_padding: true; auto does with sdpa for "
+                     f"{'/'.join(PACKED_SDPA_FAMILIES)} models and with flash_attention_2) so micro-batches hold "
+                     "only real tokens")
     if not vs.optimizer_offload:
         fixes.append("set rl.verl.optimizer_offload: true")
     if name == "actor_update" and not cfg.rl.trainer.gradient_checkpointing:
@@ -245,7 +266,8 @@ def _notes(cfg: RunConfig, arch: Arch, per_gpu: list[int], mini: list[int], rmpa
             "master weights, gradients and AdamW state",
             f"per GPU: {len(per_gpu)} sequences per step, {len(mini)} per mini-batch, lengths from "
             f"cost.response_length_mix {cfg.cost.response_length_mix} of rl.rollout.max_response_length, prompts "
-            f"at max_prompt_length; remove-padding {'on' if rmpad else 'off'}"
+            f"at max_prompt_length; remove-padding {'on' if rmpad else 'off'} (rl.verl.remove_padding: "
+            f"{str(vs.remove_padding).lower()}, {vs.attn_implementation}, {arch.model_type or 'unknown'} family)"
             + ("" if rmpad else ": each micro-batch is padded to its longest sequence"),
             f"runtime reserve {RESERVE_GIB:g} GiB (CUDA contexts, NCCL, allocator slack) is an assumption, not "
             "measured"]

@@ -14,6 +14,7 @@ from stages.cost.memory import (
     activation_bytes,
     check_memory,
     logits_bytes,
+    mask_bytes,
     memory_estimate,
     split_counts,
 )
@@ -79,6 +80,37 @@ def test_activations():
     assert activation_bytes(arch, mb, 2, False, grad=False, checkpointing=True, attn="eager") == 1_536
 
 
+def test_sdpa_attention_mask():
+    mb = MicroBatch((8, 2))
+    # padded: a boolean [2, 1, 8, 8] = 128 elements, and its conversion to the 2-byte compute dtype -> 384
+    assert mask_bytes(mb, 2, False, "sdpa") == 384
+    # packed: one [1, 1, 10, 10] block-diagonal mask = 100 x 3 -> 300
+    assert mask_bytes(mb, 2, True, "sdpa") == 300
+    # none: rows of one length (is_causal), a single packed sequence, flash-attn (no mask), eager (its scores)
+    assert mask_bytes(MicroBatch((4, 4)), 2, False, "sdpa") == mask_bytes(MicroBatch((9,)), 2, True, "sdpa") == 0
+    assert mask_bytes(mb, 2, True, "flash_attention_2") == mask_bytes(mb, 2, False, "eager") == 0
+    # packed eager: scores and probabilities over one row of 10 tokens, 2 x 1 head x 10^2 = 200 more elements
+    arch = Arch(hidden=4, layers=3, intermediate=8, heads=1, kv_heads=1, vocab=100)
+    assert activation_bytes(arch, mb, 2, True, grad=False, checkpointing=True, attn="eager") == \
+        (10 * (2 * 4 + 3 * 8) + 200) * 2
+
+
+def test_remove_padding_under_sdpa_is_priced_like_flash_attention():
+    sdpa = memory_estimate(load_config(PROFILE_14B, []))                  # auto: sdpa + qwen3 -> packed
+    flash = memory_estimate(load_config(PROFILE_14B, ["rl.verl.attn_implementation=flash_attention_2"]))
+    padded = memory_estimate(load_config(PROFILE_14B, ["rl.verl.remove_padding=false"]))
+    assert "remove-padding on (rl.verl.remove_padding: auto, sdpa, qwen3 family)" in sdpa.notes[1]
+    for name in ("old_log_prob", "actor_update"):
+        s, f = sdpa.phase(name), flash.phase(name)
+        assert s.micro_batch == f.micro_batch and "packed tokens" in s.micro_batch
+        assert {k: v for k, v in s.parts.items() if k != "attention mask (sdpa)"} == f.parts
+        assert "attention mask (sdpa)" not in f.parts
+    # the worst old-log-prob micro-batch: 23,146 packed tokens, a [1, 1, T, T] boolean + its bf16 copy
+    assert sdpa.phase("old_log_prob").parts["attention mask (sdpa)"] == pytest.approx(23_146 ** 2 * 3 / GIB)
+    assert padded.phase("old_log_prob").gib - sdpa.phase("old_log_prob").gib > 15    # ~67 vs ~51 GiB
+    assert "8 x" not in sdpa.phase("old_log_prob").micro_batch
+
+
 def test_split_counts():
     # 12 over 35/45/20 %: 4.2, 5.4, 2.4 -> floors 4, 5, 2 (11); the largest remainder (.4, the earlier pair) +1
     assert split_counts([(0.35, 0.1), (0.45, 0.4), (0.2, 1.0)], 12) == [4, 6, 2]
@@ -104,22 +136,24 @@ def test_shipped_profiles_fit_an_80_gib_gpu(profile):
 
 
 def test_run_refuses_the_reference_budget_naming_phase_and_fix():
-    # the reference's 16384 (log-prob budget 32768): a micro-batch of 8 sequences padded to 8192 tokens,
-    # 65,536 x 151,936 x 2 B = 18.5 GiB of logits, x 3 with the unchunked entropy: ~90 GiB in all
-    cfg = load_config(PROFILE_14B, ["rl.verl.max_token_len_per_gpu=16384"])
+    # the reference's 16384 (log-prob budget 32768) without remove-padding: a micro-batch of 8 sequences padded to
+    # 8192 tokens, 65,536 x 151,936 x 2 B = 18.5 GiB of logits, x 3 with the unchunked entropy: ~90 GiB, + the
+    # [8, 1, 8192, 8192] sdpa mask (1.5 GiB)
+    cfg = load_config(PROFILE_14B, ["rl.verl.max_token_len_per_gpu=16384", "rl.verl.remove_padding=false"])
     with pytest.raises(BadInputError) as err:
         check_memory(cfg, {"data", "rl"})
     text = str(err.value)
-    assert "old_log_prob needs ~90" in text and "8 x 8192 = 65,536 tokens" in text
-    assert "lower rl.verl.max_token_len_per_gpu (now 16384" in text and "flash_attention_2" in text
+    assert "old_log_prob needs ~91" in text and "8 x 8192 = 65,536 tokens" in text
+    assert "lower rl.verl.max_token_len_per_gpu (now 16384" in text and "rl.verl.remove_padding: true" in text
     assert "optimizer_offload: true" in text
     assert check_memory(cfg, {"data", "sft"}) is None            # RL not planned: nothing to refuse
-    # remove-padding (flash-attn) fits the same budget: only real tokens are materialised
-    assert check_memory(load_config(PROFILE_14B, ["rl.verl.max_token_len_per_gpu=16384",
-                                                  "rl.verl.attn_implementation=flash_attention_2"]), {"rl"})
+    # remove-padding (sdpa, auto for qwen3; or flash-attn) fits the same budget: only real tokens are materialised
+    for extra in ([], ["rl.verl.attn_implementation=flash_attention_2"]):
+        assert check_memory(load_config(PROFILE_14B, ["rl.verl.max_token_len_per_gpu=16384", *extra]), {"rl"})
 
 
 def test_a_larger_gpu_and_the_local_engine():
-    cfg = load_config(PROFILE_14B, ["rl.verl.max_token_len_per_gpu=16384", "cost.gpu_memory_gib=141"])
+    cfg = load_config(PROFILE_14B, ["rl.verl.max_token_len_per_gpu=16384", "rl.verl.remove_padding=false",
+                                    "cost.gpu_memory_gib=141"])
     assert check_memory(cfg, {"rl"}) is not None                  # an H200 holds it
     assert memory_estimate(load_config("tiny-cpu", [])) is None   # local engine: its own check (rl_engine.py)

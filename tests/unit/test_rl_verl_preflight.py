@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.core.config.loader import load_config
+from stages.core.config.loader import ConfigError, load_config
 from stages.core.config.rl import AdvantageSection
 from stages.core.config.rl_engine import VerlSection
 from stages.core.errors import DeterministicError
@@ -28,18 +28,40 @@ PATHS = VerlPaths(model="/m", train_file="/d/t.parquet", val_file="/d/v.parquet"
 GIB = 2**30
 
 
-def _overrides(*extra: str) -> dict[str, str]:
+def _overrides(*extra: str, model_type: str | None = None) -> dict[str, str]:
     rl = load_config("tiny-cpu", ["rl.engine=verl", *extra]).rl
-    return dict(o.split("=", 1) for o in verl_overrides(rl, "float32", 0, PATHS))
+    return dict(o.split("=", 1) for o in verl_overrides(rl, "float32", 0, PATHS, model_type))
 
 
 def test_mapping_asks_for_sdpa_attention_and_fsdp2_checkpoints():
     o = _overrides()
     assert o["+actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"   # verl's default: flash
-    assert o["actor_rollout_ref.model.use_remove_padding"] == "false"    # packing needs flash-attn's varlen kernel
     assert o["actor_rollout_ref.actor.strategy"] == o["actor_rollout_ref.ref.strategy"] == "fsdp2"  # verl: fsdp
-    flash = _overrides("rl.verl.attn_implementation=flash_attention_2")
-    assert flash["actor_rollout_ref.model.use_remove_padding"] == "true"
+
+
+@pytest.mark.parametrize("extra,model_type,packed", [
+    ([], "llama", True), ([], "qwen2", True), ([], "qwen3", True),     # sdpa + a verified family (tests/verl)
+    ([], "gemma2", False), ([], None, False),                          # sdpa, family not verified / unknown
+    (["rl.verl.attn_implementation=flash_attention_2"], None, True),   # varlen kernel: any family
+    (["rl.verl.attn_implementation=eager"], "qwen3", False),           # packed eager: heads x T^2 scores
+    (["rl.verl.remove_padding=false", "rl.verl.attn_implementation=flash_attention_2"], "qwen3", False),
+    (["rl.verl.remove_padding=true"], "gemma2", True),                 # the user's call
+])
+def test_remove_padding_auto_follows_attention_and_family(extra, model_type, packed):
+    o = _overrides(*extra, model_type=model_type)
+    assert o["actor_rollout_ref.model.use_remove_padding"] == ("true" if packed else "false")
+
+
+def test_the_launcher_reads_the_family_from_the_policy_folder(tmp_path):
+    from stages.rl.verl.mapping import model_type_of
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 8}')
+    assert model_type_of(tmp_path) == "qwen3"
+    assert model_type_of(tmp_path / "missing") is None
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert model_type_of(tmp_path) is None
+    with pytest.raises(ConfigError, match="remove_padding"):
+        load_config("tiny-cpu", ["rl.engine=verl", "rl.verl.remove_padding=sometimes"])
 
 
 def test_mapping_runs_every_algorithm_in_arpo_sync_with_plugin_modules_first():

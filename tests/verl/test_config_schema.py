@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from stages.core.archs import arch_for
 from stages.core.config.loader import load_config, profile_names
 from stages.core.env import PROJECT_ROOT
 from stages.core.refs import DatasetRef, ModelRef
@@ -41,7 +42,9 @@ def test_every_profile_maps_onto_verls_schema(profile, tmp_path):
 
     cfg = _profile(profile)
     rl = cfg.rl
-    composed = compose_verl(verl_overrides(rl, cfg.model.dtype, cfg.run.seed, paths(tmp_path)))
+    found = arch_for(cfg.model.name, cfg.model.path)             # the family the launcher reads from config.json
+    family = found[1].model_type if found else None
+    composed = compose_verl(verl_overrides(rl, cfg.model.dtype, cfg.run.seed, paths(tmp_path), family))
     _validate(composed)
     actor, rollout, trainer = composed.actor_rollout_ref.actor, composed.actor_rollout_ref.rollout, composed.trainer
     assert (rollout.n, rollout.prompt_length, rollout.response_length) == \
@@ -64,7 +67,9 @@ def test_every_profile_maps_onto_verls_schema(profile, tmp_path):
     assert omega_conf_to_dataclass(actor.fsdp_config).mixed_precision["param_dtype"] == cfg.model.dtype
     model = composed.actor_rollout_ref.model
     assert model.override_config.attn_implementation == rl.verl.attn_implementation
-    assert model.use_remove_padding == (rl.verl.attn_implementation == "flash_attention_2")
+    assert model.use_remove_padding == rl.verl.uses_remove_padding(family)
+    if profile != "tiny-cpu":                                     # qwen2 / qwen3 under sdpa: packed (auto)
+        assert model.use_remove_padding and model.override_config.attn_implementation == "sdpa"
     assert composed.transfer_queue.backend.SimpleStorage.num_data_storage_units == rl.verl.storage_units
     assert composed.reward.num_workers == rl.verl.reward_workers
     env = composed.ray_kwargs.ray_init.runtime_env.env_vars
@@ -91,6 +96,7 @@ def test_launcher_inputs_compose_and_verl_reads_its_dataset(tmp_path):
     composed = compose_verl(overrides)
     _validate(composed)
     assert composed.trainer.v1.trainer_mode == "arpo_sync"
+    assert composed.actor_rollout_ref.model.use_remove_padding      # the folder's config.json: llama, under sdpa
     assert (stage / "verl_inputs" / "overrides.txt").read_text().splitlines() == overrides
     assert Path(composed.actor_rollout_ref.rollout.agent.agent_loop_config_path).read_text().startswith(
         "- name: arpo_tree")

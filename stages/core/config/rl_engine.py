@@ -22,6 +22,10 @@ from stages.core.config.section import Section
 BYTES_PER_PARAM_TRAIN = 16       # fp32 weights + fp32 grads + two fp32 AdamW moments
 BYTES_PER_PARAM_REFERENCE = 4    # the frozen fp32 reference policy (only with KL)
 VLLM_GPU_MEMORY_UTILIZATION = 0.6  # stages.generation.vllm_backend.VLLMBackend's default share of the device
+# config.json model_types whose packed single-row forward under sdpa (attention_mask None, position ids restarting
+# per sequence: transformers builds the block-diagonal mask) equals the separate forwards through verl 0.9.1's own
+# remove-padding path: tests/verl/test_remove_padding_sdpa.py checks each (docs/decisions.md "Attention: sdpa")
+PACKED_SDPA_FAMILIES = ("llama", "qwen2", "qwen3")
 _SIZE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
 
 
@@ -53,8 +57,12 @@ class VerlSection(Section):
                                "reserves one Ray CPU for the whole run")
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(
         "sdpa", description="attention of the FSDP actor (verl's default flash_attention_2 needs the flash-attn "
-        "package, which verl[vllm] does not install; the pre-flight checks it). flash_attention_2 also turns on "
-        "verl's remove-padding packing")
+        "package, which verl[vllm] does not install; the pre-flight checks it)")
+    remove_padding: bool | Literal["auto"] = Field(
+        "auto", description="verl's remove-padding (actor_rollout_ref.model.use_remove_padding): each micro-batch "
+        "packed into one row of its real tokens instead of padded to its longest sequence. auto = on with "
+        "flash_attention_2, and with sdpa for the architecture families whose packed forward is verified "
+        f"({', '.join(PACKED_SDPA_FAMILIES)}: docs/decisions.md \"Attention: sdpa\"); off otherwise")
     cpu_mode: bool = Field(False, description="verl on a CPU box (rehearsals, the CPU smoke run): our CPU platform, "
                            "CPU overrides and environment (stages/rl/verl/cpu_mode.py); refused unless run.device is cpu")
     plugin_modules: list[str] = Field(
@@ -63,6 +71,16 @@ class VerlSection(Section):
     logger: list[str] = Field(default_factory=lambda: ["console", "file"], description="trainer.logger backends")
     extra_overrides: list[str] = Field(default_factory=list,
                                        description="raw hydra overrides appended last (escape hatch)")
+
+    def uses_remove_padding(self, model_type: str | None) -> bool:
+        """Whether verl packs micro-batches (use_remove_padding) for a policy of this config.json model_type (None:
+        unknown). `auto`: flash-attn's varlen kernel keeps packed sequences apart for any model; under sdpa only
+        the families verified on verl's own path do (transformers' mask from packed position ids)."""
+        if self.remove_padding != "auto":
+            return bool(self.remove_padding)
+        if self.attn_implementation == "flash_attention_2":
+            return True
+        return self.attn_implementation == "sdpa" and model_type in PACKED_SDPA_FAMILIES
 
 
 def params_from_name(*names: str | None) -> float | None:

@@ -42,7 +42,7 @@ from stages.generation.models import policy_folder, tokenizer_folder
 from stages.rl.retention import prune_verl_checkpoints
 from stages.rl.step_metrics import plot_curves
 from stages.rl.verl.cpu_mode import CPU_ENV, plugin_modules
-from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, external_modules, verl_overrides
+from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, external_modules, model_type_of, verl_overrides
 from stages.rl.verl.monitor import Follower, LiveReport, read_steps
 from stages.rl.verl.parity import check_parity
 from stages.rl.verl.resources import preflight
@@ -142,7 +142,7 @@ def prepare(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
                    paths.settings)
     attempt = stage / "verl_metrics" / f"attempt_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     attempt.parent.mkdir(parents=True, exist_ok=True)
-    overrides = verl_overrides(cfg, dtype, seed, paths)
+    overrides = verl_overrides(cfg, dtype, seed, paths, model_type_of(model_dir))
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={attempt}")
     write_text(inputs / "overrides.txt", "\n".join(overrides) + "\n")
     return overrides, paths, rows

@@ -7,8 +7,10 @@ mapping puts into Ray's runtime environment. Keys absent from verl's ppo_trainer
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from stages.core.config.rl import RLSection
 from stages.rl.verl.cpu_mode import extra_overrides, plugin_modules
@@ -58,8 +60,18 @@ def external_modules(plugin_modules: list[str]) -> str:
     return ",".join([*plugin_modules, PLUGIN_MODULE])
 
 
-def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> list[str]:
-    """The complete override list (no defaults of verl's that matter are left implicit)."""
+def model_type_of(folder: str | Path) -> str | None:
+    """config.json's model_type of an HF folder (the architecture family rl.verl.remove_padding: auto asks about);
+    None when the folder has no readable config."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths, model_type: str | None = None) -> list[str]:
+    """The complete override list (no defaults of verl's that matter are left implicit). `model_type`: the
+    policy's config.json model_type, which decides rl.verl.remove_padding: auto under sdpa (None: off)."""
     if rl.loss.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"rl.loss.policy_loss={rl.loss.policy_loss!r} has no verl registration; the verl engine "
                          f"supports {sorted(POLICY_LOSSES)}")
@@ -77,9 +89,10 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths) -> li
         "actor_rollout_ref.model.path": paths.model,
         "actor_rollout_ref.model.enable_gradient_checkpointing": tr.gradient_checkpointing,
         # verl defaults to flash_attention_2, which verl[vllm] does not install (pre-flight: resources.py);
-        # remove-padding packs sequences into one row, which only flash-attn's varlen kernel keeps apart
+        # remove-padding packs each micro-batch into one row: flash-attn's varlen kernel keeps the sequences apart,
+        # and so does sdpa for the verified families (transformers' mask from packed position ids; rl_engine.py)
         "+actor_rollout_ref.model.override_config.attn_implementation": vs.attn_implementation,
-        "actor_rollout_ref.model.use_remove_padding": vs.attn_implementation == "flash_attention_2",
+        "actor_rollout_ref.model.use_remove_padding": vs.uses_remove_padding(model_type),
         # actor: batches (mini-batch in prompts; verl multiplies by n), loss, optimizer, FSDP
         f"{actor}.ppo_mini_batch_size": tr.ppo_mini_batch_size, f"{actor}.ppo_epochs": tr.ppo_epochs,
         f"{actor}.ppo_micro_batch_size_per_gpu": tr.micro_batch_size, f"{actor}.data_loader_seed": seed,
