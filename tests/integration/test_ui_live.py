@@ -39,6 +39,7 @@ from tests.conftest import TEST_OUTPUTS, module_scratch, require_chromium
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 VENV_BIN = Path(sys.executable).parent
 # RL on the base model (no SFT), two short steps of one prompt x 2 trajectories, a checkpoint after each
+ETA_LINE = "RL (arpo): 1/2 steps (50%)"
 RL_RUN = ["--until", "rl", "-o", "sft.enabled=false", "-o", "rl.rollout.n=2", "-o", "rl.rollout.initial_rollouts=1",
           "-o", "rl.trainer.train_batch_size=1", "-o", "rl.trainer.ppo_mini_batch_size=1",
           "-o", "rl.trainer.micro_batch_size=2", "-o", "rl.rollout.max_response_length=48",
@@ -190,7 +191,8 @@ def page_text(url: str, profile: Path, expect: tuple[str, ...] = (), tries: int 
 
 
 def _rl_progress(project: dict) -> tuple[object, object, list[str]] | None:
-    """(flow run, rl task run, log lines) once RL's first step is logged and its progress artifact says 50%."""
+    """(flow run, rl task run, log lines) once RL's first step is logged (its ETA line has reached the server) and
+    its progress artifact says 50%."""
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterKey,
@@ -208,7 +210,10 @@ def _rl_progress(project: dict) -> tuple[object, object, list[str]] | None:
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-rl"])))
         if not any(a.task_run_id == rl.id and a.data == 50.0 for a in progress):
             return None
-        return await client.read_flow_run(rl.flow_run_id), rl, [log.message for log in logs]
+        lines = [log.message for log in logs]
+        if not any(line.startswith(ETA_LINE) for line in lines):
+            return None  # the artifact can reach the server before the batch of log lines that goes with it
+        return await client.read_flow_run(rl.flow_run_id), rl, lines
 
     return api(project, read)
 
@@ -227,11 +232,11 @@ def test_a_running_stage_is_live_in_the_ui_and_a_killed_run_turns_crashed(projec
             seen = _rl_progress(project)
         assert seen is not None, (proc.poll(), proc.stdout.read() if proc.poll() is not None else "")
         run, rl, lines = seen
-        assert any(line.startswith("RL (arpo): 1/2 steps (50%)") for line in lines), lines  # the ETA line
+        assert any(line.startswith(ETA_LINE) for line in lines), lines  # the ETA line
         # Freeze the run mid-stage so the pages below show it running, whatever the box's speed. (If the freeze
         # outlasts the 90 s the flow run may already turn Crashed; the task run stays Running.)
         os.killpg(proc.pid, signal.SIGSTOP)
-        want = ("Running", "RL (arpo): 1/2 steps (50%)")    # the task run's state and its ETA log line
+        want = ("Running", ETA_LINE)                        # the task run's state and its ETA log line
         task_page = page_text(f"{project['url']}/runs/task-run/{rl.id}", tmp_path / "chromium", want)
         assert all(w in task_page for w in want), task_page[:3000]
         artifact_page = page_text(f"{project['url']}/runs/task-run/{rl.id}?tab=Artifacts", tmp_path / "chromium",
