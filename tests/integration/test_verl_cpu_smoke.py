@@ -36,10 +36,10 @@ import torch
 from stages.core.atomic import read_jsonl
 from stages.core.env import PROJECT_ROOT
 from stages.rl.verl.cpu_mode import cpu_mode_args
-from tests.conftest import TINY_SFT, link_tiny_chain, missing_setup, module_scratch
+from tests.conftest import TINY_SFT, VERL_CPU_PYTHON, link_tiny_chain, module_scratch
+from tests.integration.verl_processes import verl_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
-VERL_CPU_PYTHON = PROJECT_ROOT / ".venv-verl-cpu" / "bin" / "python"
 RUN = ["-p", "tiny-cpu", "--until", "merge", "--ephemeral",
        "-o", "rl.engine=verl", "-o", f"run.interpreters.rl={VERL_CPU_PYTHON}",
        *cpu_mode_args(),   # verl's CPU platform and what vLLM / FSDP cannot do on a CPU (stages/rl/verl/cpu_mode.py)
@@ -72,23 +72,6 @@ def arpo_run(outputs: Path, home: Path, log: Path, background: bool = False) -> 
     return proc
 
 
-AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # outlive their raylet; the next attempt reaps them
-
-
-def verl_processes(stage: Path, agents: bool = True) -> list[int]:
-    """Processes of the verl run of `stage` (the launcher puts its settings path into every one's environment)."""
-    marker = f"ARPO_VERL_SETTINGS={stage / 'verl_inputs' / 'plugin_settings.json'}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "environ").read_bytes():
-                if agents or not (entry / "cmdline").read_bytes().decode(errors="replace").startswith(AGENTS):
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def wait_for(predicate, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 5.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -102,9 +85,7 @@ def wait_for(predicate, timeout_s: float, proc: subprocess.Popen | None = None, 
 
 
 @pytest.fixture(scope="module")
-def smoke(request, tiny_model, tiny_chain, tmp_path_factory):
-    if not VERL_CPU_PYTHON.exists():
-        missing_setup(f"{VERL_CPU_PYTHON} is missing: ./scripts/setup-verl.sh --cpu builds it (./scripts/test.sh does)")
+def smoke(request, tiny_model, tiny_chain, tmp_path_factory, verl_cpu_python):
     outputs = module_scratch(request, tmp_path_factory.mktemp("verl-smoke"))
     home = tmp_path_factory.mktemp("prefect-home")
     link_tiny_chain(tiny_chain, outputs)           # the converted tiny model, data and short SFT, reused
