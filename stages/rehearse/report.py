@@ -1,5 +1,6 @@
 """The rehearsal report (`rehearsal.md` + `rehearsal.json` in the run record): what was changed and why, each seam
-check, the real-scale estimate, and per stage whether it ran in this rehearsal and for how long."""
+check, the real-scale estimate, per stage whether it ran in this rehearsal and for how long, and what the toy's RL
+steps saw (reward signal, tool calls, rollout-vs-trainer log-prob agreement, gradient)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,56 @@ from stages.rehearse.rule import Rehearsal
 MARKER = "_COMPLETE.json"
 
 
-def stage_marker(path: str | Path, depth: int = 4) -> dict[str, Any] | None:
-    """The completion marker of the stage folder that holds `path` (a model folder, a checkpoint, a file)."""
+# What each RL step's row of metrics.jsonl shows about the seams, with the report's column names
+RL_COLUMNS = {"step": "step", "reward/mean": "reward mean", "reward/format_error_rate": "format errors",
+              "reward/groups_without_signal": "groups without signal", "tools/calls_per_traj": "tool calls / traj",
+              "rollout/logp_mismatch": "log-prob mismatch", "grad_norm": "grad norm"}
+
+
+def stage_folder(path: str | Path, depth: int = 4) -> Path | None:
+    """The stage folder (the one with a completion marker) that holds `path` (a model folder, a checkpoint, a file)."""
     folder = Path(path)
     for candidate in [folder, *folder.parents][:depth + 1]:
-        marker = candidate / MARKER
-        if marker.is_file():
-            return json.loads(marker.read_text())
+        if (candidate / MARKER).is_file():
+            return candidate
     return None
+
+
+def stage_marker(path: str | Path, depth: int = 4) -> dict[str, Any] | None:
+    """The completion marker of the stage folder that holds `path`."""
+    folder = stage_folder(path, depth)
+    return json.loads((folder / MARKER).read_text()) if folder else None
+
+
+def rl_steps(refs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The RL stage's per-step rows (metrics.jsonl), only the RL_COLUMNS; [] without an RL stage in the run."""
+    ref = refs.get("rl")
+    folder = stage_folder(ref["path"]) if isinstance(ref, dict) and ref.get("path") else None
+    metrics = folder / "metrics.jsonl" if folder else None
+    if metrics is None or not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [{key: row[key] for key in RL_COLUMNS if key in row} for row in rows]
+
+
+def rl_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """The report's RL section: a table of the steps and what a reader should make of them."""
+    if not steps:
+        return ["no RL stage in this rehearsal"]
+    lines = ["| " + " | ".join(RL_COLUMNS.values()) + " |", "|" + "---|" * len(RL_COLUMNS)]
+    for row in steps:
+        cells = [row.get(key) for key in RL_COLUMNS]
+        lines.append("| " + " | ".join("" if c is None else f"{c:.3g}" if isinstance(c, float) else str(c)
+                                       for c in cells) + " |")
+    if all(row.get("reward/groups_without_signal") == 1.0 for row in steps):
+        lines += ["", "No reward signal: in every group all trajectories scored alike (expected of a random-init toy), "
+                  "so the advantages and the policy gradient were zero (an entropy or KL term aside): the update ran "
+                  "but cannot have moved the weights by its policy loss."]
+    mismatch = max((row.get("rollout/logp_mismatch") or 0.0 for row in steps), default=0.0)
+    lines += ["", f"Log-prob mismatch (the rollout engine's sampled tokens' log-probs vs the trainer's, mean absolute "
+              f"difference) at most {mismatch:.3g}: float32 engines agree to ~1e-5; a large value means the two "
+              "see different tokens or weights (template, tokenizer, weight sync)."]
+    return lines
 
 
 def stage_timings(refs: dict[str, Any], started_at: float) -> list[dict[str, Any]]:
@@ -44,12 +87,12 @@ def stage_timings(refs: dict[str, Any], started_at: float) -> list[dict[str, Any
 
 
 def write_report(run_dir: str | Path, rehearsal: Rehearsal, seams: list[Any] | None, real_scale: dict[str, Any],
-                 timings: list[dict[str, Any]], wall_s: float) -> Path:
-    """Write rehearsal.json and rehearsal.md into the run record; returns the markdown's path."""
+                 timings: list[dict[str, Any]], wall_s: float, steps: list[dict[str, Any]] | None = None) -> Path:
+    """Write rehearsal.json and rehearsal.md into the run record; returns the markdown's path. `steps`: rl_steps."""
     run_dir = Path(run_dir)
     seam_rows = [{"check": s.name, "ok": s.ok, "detail": s.detail} for s in seams or []]
-    write_json(run_dir / "rehearsal.json", {**rehearsal.to_json(), "seam_checks": seam_rows,
-                                            "real_scale": real_scale, "stages": timings, "wall_s": round(wall_s, 1)})
+    write_json(run_dir / "rehearsal.json", {**rehearsal.to_json(), "seam_checks": seam_rows, "real_scale": real_scale,
+                                            "stages": timings, "rl_steps": steps or [], "wall_s": round(wall_s, 1)})
     lines = [f"# Rehearsal of {rehearsal.profile}", "",
              "**A rehearsal, not a run of the profile**: a random-init toy model of the profile's architecture with its "
              "real tokenizer, at toy scale, with the swaps below. Its scores mean nothing; what it shows is that every "
@@ -65,6 +108,7 @@ def write_report(run_dir: str | Path, rehearsal: Rehearsal, seams: list[Any] | N
         lines += [f"| {r['check']} | {'ok' if r['ok'] else 'FAILED'} | {r['detail']} |" for r in seam_rows]
     else:
         lines.append("not run (no stage that reads the tokenizer was planned)")
+    lines += ["", "## The toy's RL steps (metrics.jsonl; its scores mean nothing)", "", *rl_lines(steps or [])]
     lines += ["", "## At the profile's real scale", ""]
     lines += [f"- {key}: {value}" for key, value in real_scale.items()] or ["(no estimate)"]
     lines += ["", "## What the rehearsal changed (stages/rehearse/rule.py)", "", rehearsal.table(), ""]

@@ -63,6 +63,7 @@ def test_the_real_data_trained_and_both_benchmarks_were_scored(rehearsal):
     rl = next((rehearsal["outputs"] / "rl").glob("*/metrics.jsonl"))
     rows = [json.loads(line) for line in rl.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/trajectories"] == 8 for r in rows)
+    assert [r["step"] for r in rehearsal["report"]["rl_steps"]] == [1, 2]          # the report's RL section
     sft = json.loads(next((rehearsal["outputs"] / "sft").glob("*/_COMPLETE.json")).read_text())
     assert sft["metrics"]["steps"] == 4
     scores = {s["benchmark"]: s for s in (json.loads(p.read_text())

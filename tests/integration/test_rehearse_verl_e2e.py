@@ -69,6 +69,9 @@ def test_verl_trained_two_aepo_steps_packed_and_left_no_process(rehearsal):
         assert row["rollout/trajectories"] == 8 and row["rollout/trees_trained"] == 2
         assert row["rollout/logp_mismatch"] < 1e-3                    # vLLM's sampling vs the packed actor pass
     assert not verl_processes(stage)                                  # Ray, the actor and vLLM all stopped
+    # the report's RL section: the same two steps, with the seams' signals
+    assert [row["step"] for row in rehearsal["report"]["rl_steps"]] == [1, 2]
+    assert "Log-prob mismatch" in (rehearsal["run_dir"] / "rehearsal.md").read_text()
 
 
 def test_the_merged_qwen3_served_and_webwalker_was_scored(rehearsal):

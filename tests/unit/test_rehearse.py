@@ -12,7 +12,7 @@ import pytest
 
 from stages.core.config.loader import load_config
 from stages.core.errors import MissingInputError
-from stages.rehearse.report import stage_timings, write_report
+from stages.rehearse.report import rl_steps, stage_timings, write_report
 from stages.rehearse.rule import Offline, rehearsal_for
 from tests.conftest import SHARED_DATA, missing_setup
 
@@ -126,11 +126,22 @@ def test_report_times_the_stages_that_ran_and_lists_every_change(tmp_path):
     rows = {r["stage"]: r for r in stage_timings(refs, started_at=100.0)}
     assert rows["data"]["ran"] is False and "seconds" not in rows["data"]      # an earlier run's output
     assert (rows["sft"]["seconds"], rows["rl"]["seconds"]) == (30.0, 60.0)
+    metrics = [{"step": 1, "reward/mean": -1.0, "reward/groups_without_signal": 1.0, "rollout/logp_mismatch": 2e-8,
+                "grad_norm": 0.0, "loss": 0.0},
+               {"step": 2, "reward/mean": -1.0, "reward/groups_without_signal": 1.0, "rollout/logp_mismatch": 3e-8,
+                "grad_norm": 0.0}]
+    (tmp_path / "rl" / "k" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    steps = rl_steps(refs)
+    assert [sorted(row) for row in steps] == [sorted(set(m) - {"loss"}) for m in metrics]   # the report's columns
     rehearsal = rehearsal_for(load_config(PAPER[0], []), REPLAY)
-    md = write_report(tmp_path, rehearsal, None, {"RL steps": "156"}, list(rows.values()), 120.0).read_text()
+    md = write_report(tmp_path, rehearsal, None, {"RL steps": "156"}, list(rows.values()), 120.0, steps).read_text()
     assert "not a run of the profile" in md and "| sft | yes | 30 s |" in md and "- RL steps: 156" in md
     assert md.count("\n| swap |") + md.count("\n| scale |") == len(rehearsal.changes)
-    assert json.loads((tmp_path / "rehearsal.json").read_text())["wall_s"] == 120.0
+    # absent columns stay empty; every group flat: the report says the policy gradient was zero
+    assert "| 2 | -1 |  | 1 |  | 3e-08 | 0 |" in md and "No reward signal" in md and "at most 3e-08" in md
+    record = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert record["wall_s"] == 120.0 and record["rl_steps"] == steps
+    assert rl_steps({"data": refs["data"]}) == []                                   # a rehearsal without RL
 
 
 @pytest.fixture(scope="module")
