@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stages.core.atomic import write_json, write_text
+from stages.core.atomic import read_jsonl, write_json, write_text
 from stages.rehearse.rule import Rehearsal
 
 MARKER = "_COMPLETE.json"
@@ -42,8 +42,7 @@ def rl_steps(refs: dict[str, Any]) -> list[dict[str, Any]]:
     metrics = folder / "metrics.jsonl" if folder else None
     if metrics is None or not metrics.is_file():
         return []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [{key: row[key] for key in RL_COLUMNS if key in row} for row in rows]
+    return [{key: row[key] for key in RL_COLUMNS if key in row} for row in read_jsonl(metrics)]
 
 
 def rl_lines(steps: list[dict[str, Any]]) -> list[str]:

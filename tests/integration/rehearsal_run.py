@@ -16,8 +16,8 @@ from stages.core.env import PROJECT_ROOT
 def rehearse(profile: str, outputs: Path, prefect_home: Path, args: list[str], times: int = 1) -> list[dict[str, Any]]:
     """Run `arpo rehearse -p profile --ephemeral ARGS` `times` times into `outputs`; per run its stdout, record folder
     and rehearsal.json."""
-    # Ray's own OOM killer acts at 95% of the machine's memory, whoever uses it (the other lane): the kernel's decides
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "HF_HUB_OFFLINE": "1", "RAY_memory_monitor_refresh_ms": "0"}
+    # (a verl rehearsal's CPU mode puts CPU_ENV, Ray's OOM killer off, into verl's environment itself)
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "HF_HUB_OFFLINE": "1"}
     env.pop("PREFECT_API_URL", None)
     argv = [sys.executable, "-m", "flows.cli", "rehearse", "-p", profile, "--ephemeral",
             "-o", f"run.output_root={outputs}", *args]
