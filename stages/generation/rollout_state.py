@@ -57,7 +57,8 @@ class LiveTrajectory:
             entropies=p.entropies[:fork_at], parent_id=p.traj_id, fork_at=fork_at, kind="branch",
             tool_calls=dict(p.tool_calls), tool_errors=p.tool_errors, infra_failures=p.infra_failures,
             meta={"inherited_tool_calls": sum(p.tool_calls.values()), "inherited_by_tool": dict(p.tool_calls),
-                  "inherited_infra_failures": p.infra_failures})
+                  "inherited_infra_failures": p.infra_failures,
+                  "tool_spans": [s for s in p.meta.get("tool_spans", []) if s[1] <= fork_at]})
         segments = [s for s in self.segments if s[1] <= fork_at]
         return LiveTrajectory(child, key, state, n_calls=self.n_calls, h_initial=h_initial,
                               after_result=True, seg_start=fork_at, segments=segments)

@@ -248,7 +248,11 @@ class ToolRollout:
                 m.traj.infra_failures += 1
             ids = self.tokenizer.encode(render_result(res.text), add_special_tokens=False)
             room = m.budget(self.cfg.max_response_length)
+            start = len(m.traj)
             m.append(ids[:room], 0)
+            # the result's span [start, end, tool, status, call] (RL's rollout dump draws its trees with it)
+            m.traj.meta.setdefault("tool_spans", []).append([start, len(m.traj), tool, result_status(res, meta),
+                                                             m.n_calls])
             if len(ids) >= room:
                 m.traj.meta["result_truncated"] = len(ids) > room
                 m.finish("length")
@@ -284,6 +288,13 @@ class ToolRollout:
         g.members.append(m)
         g.fresh += kind == "fresh"
         return m
+
+
+def result_status(res: Any, meta: dict[str, Any]) -> str:
+    """ok | error | rejected (not run: an agent limit, a repeated query) | infra (the environment failed)."""
+    if getattr(res, "fault", None) == "infra":
+        return "infra"
+    return "rejected" if meta.get("rejected") else ("ok" if res.ok else "error")
 
 
 def check_prompts(prompts: Sequence[PromptItem], cfg: GenerationSettings) -> None:

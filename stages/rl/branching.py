@@ -42,14 +42,34 @@ def aepo_should_branch(u: float, tau: float, w: float, dh: float, c: int, penalt
     return aepo_branch_score(u, w, dh, c, penalty) >= tau
 
 
+def arpo_branch_probability(tau: float, w: float, dh: float) -> float:
+    """P(branch) of ARPO's rule over u ~ U[0, 1): clip(u - w dH) <= tau  <=>  u <= tau + w dH (for tau in [0, 1)),
+    so P = clip(tau + w dH, 0, 1); tau >= 1 always branches (the clip is <= 1), tau < 0 never."""
+    if tau < 0:
+        return 0.0
+    return 1.0 if tau >= 1 else clip01(tau + w * dh)
+
+
+def aepo_branch_probability(tau: float, w: float, dh: float, c: int, penalty: float) -> float:
+    """P(branch) of AEPO's rule over u ~ U[0, 1): clip((u + w dH) f) >= tau with f = max(0, 1 - penalty c) holds
+    for tau in (0, 1] iff u >= tau / f - w dH, so P = 1 - clip(tau / f - w dH, 0, 1); f = 0 never branches and
+    tau <= 0 always does (the clip is >= 0)."""
+    if tau <= 0:
+        return 1.0
+    f = penalty_factor(c, penalty)
+    return 0.0 if f == 0 else 1.0 - clip01(tau / f - w * dh)
+
+
 def choose_branches(candidates: Sequence[tuple[int, float]], remaining: int, beam_size: int,
-                  decide: Callable[[float, int], bool]) -> list[int]:
+                    decide: Callable[[float, int], bool],
+                    on_draw: Callable[[int], None] | None = None) -> list[int]:
     """Which candidates get a copy this round, in order (a parent appears once per copy).
 
     candidates: (trajectory id, dH) of one group, in creation order (earlier trajectories get priority). As the
     reference (ARPO 464-467, AEPO 934-939), a candidate draws exactly min(beam_size - 1, budget left) times, the
     count fixed before its first draw; the scan stops once the budget (`remaining`) is used up.
-    `decide(dH, planned)` draws one decision; `planned` = copies planned earlier in this round.
+    `decide(dH, planned)` draws one decision; `planned` = copies planned earlier in this round. `on_draw(id)`, when
+    given, is told after each draw whose candidate it was (the rollout records every draw: stages/rl/rollout.py).
     """
     parents: list[int] = []
     for traj_id, dh in candidates:
@@ -57,7 +77,10 @@ def choose_branches(candidates: Sequence[tuple[int, float]], remaining: int, bea
         if draws <= 0:
             break
         for _ in range(draws):
-            if decide(dh, len(parents)):
+            branched = decide(dh, len(parents))
+            if on_draw is not None:
+                on_draw(traj_id)
+            if branched:
                 parents.append(traj_id)
     return parents
 

@@ -11,7 +11,9 @@ make `beam_size - 1` copies while the group has budget (n minus trajectories cre
 response up to `fork_at`, its tool counters and a copy of its tool CallState, and starts from the parent's KV cache
 (its entropy baseline: entropy.py). When a group has no active trajectory and budget left, fresh roots fill it
 (`fresh_fill`). After each round the group's AEPO penalty counter moves (`penalty_counter`: consecutive rounds that
-added trajectories, as the reference). Every group ends with exactly n trajectories.
+added trajectories, as the reference). Every group ends with exactly n trajectories. Every branch draw is kept in
+its candidate's meta `draws` (`record_draw`: dH, c, u, P(branch), the copy it made), for the rollout dump and the
+tree page (stages/rl/trees.py).
 """
 
 from __future__ import annotations
@@ -86,18 +88,35 @@ class TreeGrowth:
         for g in groups:
             cands = [(m.traj.traj_id, delta_entropy(m.last_h, m.h_initial)) for m in g.members if
                      m.traj.traj_id in by_id]
-            remaining = g.n - len(g.members)
-            if not cands or remaining <= 0:
-                continue
-            decide = lambda dh, planned, g=g: self.strategy.should_branch(float(rng.random()), dh,
-                                                                          self._penalty_count(g, planned))
-            for parent_id in choose_branches(cands, remaining, self.cfg.beam_size, decide):
-                parent = by_id[parent_id]
-                fork_at = parent.seg_start if at_segment_start else len(parent.traj)
-                baseline = parent.h_initial if self.window.copies_inherit_baseline else None
-                g.members.append(rollout.fork(parent, rollout.take_id(), fork_at, baseline))
-                g.branches += 1
-                g.added_round += 1
+            if cands and g.n - len(g.members) > 0:
+                self._branch_group(rollout, g, cands, by_id, rng, at_segment_start)
+
+    def _branch_group(self, rollout: ToolRollout, g: GroupState, cands: list[tuple[int, float]],
+                      by_id: dict[int, LiveTrajectory], rng: np.random.Generator, at_segment_start: bool) -> None:
+        draws: list[dict[str, Any]] = []
+        decide = lambda dh, planned: self._draw(g, dh, planned, float(rng.random()), draws)
+        parents = choose_branches(cands, g.n - len(g.members), self.cfg.beam_size, decide,
+                                  on_draw=lambda traj_id: draws[-1].update(parent=traj_id))
+        copies = iter([d for d in draws if d["branch"]])
+        for parent_id in parents:
+            parent = by_id[parent_id]
+            fork_at = parent.seg_start if at_segment_start else len(parent.traj)
+            baseline = parent.h_initial if self.window.copies_inherit_baseline else None
+            child = rollout.fork(parent, rollout.take_id(), fork_at, baseline)
+            next(copies)["child"] = child.traj.traj_id
+            g.members.append(child)
+            g.branches += 1
+            g.added_round += 1
+        for draw in draws:
+            record_draw(by_id[draw.pop("parent")], draw, at_segment_start)
+
+    def _draw(self, g: GroupState, dh: float, planned: int, u: float, draws: list[dict[str, Any]]) -> bool:
+        """One branch draw, kept with what decided it: dH, the penalty counter c, u and P(branch)."""
+        c = self._penalty_count(g, planned)
+        branch = self.strategy.should_branch(u, dh, c)
+        draws.append({"dh": dh, "c": c, "p": self.strategy.branch_probability(dh, c), "u": u, "branch": branch,
+                      "child": None})
+        return branch
 
     def _probe(self, rollout: ToolRollout, groups: list[GroupState], rng: np.random.Generator) -> None:
         """AEPO entropy pre-monitoring: H_root from a short probe generation, H_tool from one tool-using probe
@@ -120,6 +139,17 @@ class TreeGrowth:
             g.initial = self.strategy.initial_rollouts(g.h_root, g.h_tool)
         rollout.backend.release([r.key for r in requests] + [m.key for m in roots])
         rollout.restart_ids()
+
+
+def record_draw(m: LiveTrajectory, draw: dict[str, Any], at_segment_start: bool) -> None:
+    """A draw on candidate `m`, in its meta `draws` (the rollout dump and the tree page read it): the measured
+    segment [start, end), its H and the baseline, where a copy forks (`at`: the segment's start in the paper window,
+    after the tool result in the reference one) and the tool call that fork follows (`call`, 1-based)."""
+    start, end, _, h = m.segments[-1]
+    at = m.seg_start if at_segment_start else len(m.traj)
+    m.traj.meta.setdefault("draws", []).append({
+        "seg": [start, end], "h": round(h, 6), "h0": None if m.h_initial is None else round(m.h_initial, 6),
+        "at": at, "call": m.n_calls, **{k: round(v, 6) if isinstance(v, float) else v for k, v in draw.items()}})
 
 
 class TreeRollout(ToolRollout):

@@ -20,6 +20,7 @@ from stages.agent.rewards import Reward
 from stages.core.atomic import read_jsonl, write_jsonl
 from stages.core.log import get_logger
 from stages.generation.types import RolloutBatch
+from stages.rl.tree_record import trajectory_tree_fields
 
 log = get_logger(__name__)
 
@@ -97,7 +98,8 @@ def reconcile_metrics(path: Path, resumed_step: int, checkpoint_row: dict[str, A
 
 def dump_rollouts(path: Path, step: int, batch: RolloutBatch, rewards: list[Reward], tokenizer: Any,
                   advantages: list[float]) -> None:
-    """One JSON line per trajectory: prompt text, response text, reward, advantage, tools, branch structure."""
+    """One JSON line per trajectory: prompt text, response text, reward, advantage, tools, branch structure and
+    the tree's decisions and retrained tokens (stages/rl/tree_record.py)."""
     rows, i = [], 0
     for group in batch.groups:
         prompt_text = tokenizer.decode(group.trajectories[0].prompt_ids, skip_special_tokens=False) \
@@ -111,7 +113,8 @@ def dump_rollouts(path: Path, step: int, batch: RolloutBatch, rewards: list[Rewa
                          "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
                          "infra_failures": traj.infra_failures, "masked": traj.masked,
                          "finish_reason": traj.finish_reason, "length": len(traj),
-                         "model_tokens": int(sum(traj.loss_mask))})
+                         "model_tokens": int(sum(traj.loss_mask)),
+                         **trajectory_tree_fields(traj, group, tokenizer)})  # the tree's decisions (tree_record.py)
             i += 1
     write_jsonl(path, rows)
 

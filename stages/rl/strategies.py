@@ -24,7 +24,9 @@ from stages.core.algorithm_spec import ALGORITHMS
 from stages.core.config.rl import RolloutSection
 from stages.core.registry import Registry
 from stages.rl.branching import (
+    aepo_branch_probability,
     aepo_should_branch,
+    arpo_branch_probability,
     arpo_should_branch,
     dynamic_initial_rollouts,
 )
@@ -57,11 +59,18 @@ class RolloutStrategy:
     def should_branch(self, u: float, dh: float, c: int) -> bool:
         raise NotImplementedError
 
+    def branch_probability(self, dh: float, c: int) -> float:
+        """P(should_branch) over u ~ U[0, 1), recorded beside each draw (the tree page shows it)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class GRPOStrategy(RolloutStrategy):
     def should_branch(self, u: float, dh: float, c: int) -> bool:
         return False
+
+    def branch_probability(self, dh: float, c: int) -> float:
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -69,12 +78,19 @@ class ARPOStrategy(RolloutStrategy):
     def should_branch(self, u: float, dh: float, c: int) -> bool:
         return arpo_should_branch(u, self.cfg.branch_probability, self.cfg.entropy_weight, dh)
 
+    def branch_probability(self, dh: float, c: int) -> float:
+        return arpo_branch_probability(self.cfg.branch_probability, self.cfg.entropy_weight, dh)
+
 
 @dataclass(frozen=True)
 class AEPOStrategy(RolloutStrategy):
     def should_branch(self, u: float, dh: float, c: int) -> bool:
         return aepo_should_branch(u, self.cfg.branch_probability, self.cfg.entropy_weight, dh, c,
                                   self.cfg.branch_penalty)
+
+    def branch_probability(self, dh: float, c: int) -> float:
+        return aepo_branch_probability(self.cfg.branch_probability, self.cfg.entropy_weight, dh, c,
+                                       self.cfg.branch_penalty)
 
 
 StrategyFactory = Callable[[RolloutSection], RolloutStrategy]

@@ -107,9 +107,11 @@ class ArpoSyncTrainer(PPOTrainerSync):
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
 
     def _dump_trees(self, batch, data: TensorDict, out: TensorDict, padding: list[bool]) -> None:
-        """`<rollout_data_dir>/step_<k>.jsonl` in the local engine's dump format (the rl-rollouts artifact reads it;
-        verl writes its own `<k>.jsonl` beside it). The response is decoded as verl's reward manager decodes it."""
+        """`<rollout_data_dir>/step_<k>.jsonl` in the local engine's dump format, tree fields included (the
+        rl-rollouts artifact and the tree pages read it; verl writes its own `<k>.jsonl` beside it). The response is
+        decoded as verl's reward manager decodes it."""
         from stages.core.atomic import write_jsonl
+        from stages.rl.tree_record import extra_tree_fields
 
         more = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["responses", "reward_model", "extra_info"])
@@ -123,7 +125,8 @@ class ArpoSyncTrainer(PPOTrainerSync):
             n = int(mask[r].numel())
             rows.append(dump_row(self.global_steps, str(uids[r]), extras[r], samples[r],
                                  self.tokenizer.decode(ids.tolist(), skip_special_tokens=True), float(scores[r]),
-                                 out["advantages"][r][:n], mask[r]))
+                                 out["advantages"][r][:n], mask[r])
+                        | extra_tree_fields(extras[r], ids.tolist(), mask[r].tolist(), self.tokenizer))
         folder = Path(self.config.trainer.rollout_data_dir)
         folder.mkdir(parents=True, exist_ok=True)
         write_jsonl(folder / f"step_{self.global_steps}.jsonl", rows)

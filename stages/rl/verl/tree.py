@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
@@ -44,6 +45,7 @@ from stages.generation.prompt_items import build_prompt_items
 from stages.generation.token_entropy import TokenEntropy
 from stages.generation.types import RolloutBatch
 from stages.rl.rollout import TreeRollout
+from stages.rl.tree_record import TREE_FIELD, trajectory_record
 from stages.rl.verl.settings import PluginSettings
 
 ENTROPY_FIELD = "arpo_entropies"   # per-token top-k entropy (nats) from our server replica
@@ -158,8 +160,9 @@ def tree_rollout_section(cfg: RolloutSection, sampling_params: dict[str, Any], v
 def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
     """One dict of `AgentLoopOutput` fields per trajectory of a one-prompt batch, in creation order.
 
-    `extra_fields` carries the branch structure (for hard attribution), the finish reason, tool counters and the
-    row's ability (verl's reward manager merges extra_fields into `extra_info`, where our reward reads it).
+    `extra_fields` carries the branch structure (for hard attribution), the finish reason, tool counters, the
+    tree's decisions and spans (`arpo_tree`, JSON text: stages/rl/tree_record.py; our trainer mode's dump reads it)
+    and the row's ability (verl's reward manager merges extra_fields into `extra_info`, where our reward reads it).
     A trajectory touched by a tool infrastructure failure gets an all-zero `response_mask` (out of verl's loss
     and its aggregation denominators) and `arpo_masked` (out of its group's statistics: advantage.py)."""
     if len(batch.groups) != 1:
@@ -185,6 +188,7 @@ def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
                 "arpo_infra_failures": traj.infra_failures - traj.meta.get("inherited_infra_failures", 0),
                 "arpo_masked": int(traj.masked),
                 "arpo_branches": group.branches, "arpo_fresh": group.fresh,
+                TREE_FIELD: json.dumps(trajectory_record(traj, group)),  # the tree's decisions, for the dump
             },
         })
     return outputs
