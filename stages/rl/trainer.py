@@ -56,6 +56,7 @@ from stages.rl.step_metrics import (
     rollout_metrics,
     rollout_sample_markdown,
 )
+from stages.rl.tree_report import publish_trees
 from stages.rl.update import build_step_tensors, ppo_update
 
 log = get_logger(__name__)
@@ -92,6 +93,7 @@ def publish_results(cfg: RLSection, folder: Path, history: list[dict[str, Any]],
     if cfg.trainer.dump_rollouts:
         reporter.markdown("rl-rollouts", rollout_sample_markdown(folder / "rollouts"),
                           f"{cfg.algorithm}: sample of the rollouts of step {step}")
+    publish_trees(cfg, folder, write=replot)  # a page per dumped step, the trees image (stages/rl/tree_report.py)
 
 
 def step_counts(n_rows: int, cfg: RLSection) -> tuple[int, int]:

@@ -41,6 +41,7 @@ from stages.core.rl_parquet import SCHEMA, RLRow, read_rl_parquet
 from stages.generation.models import policy_folder, tokenizer_folder
 from stages.rl.retention import prune_verl_checkpoints
 from stages.rl.step_metrics import plot_curves
+from stages.rl.tree_report import publish_trees
 from stages.rl.verl.cpu_mode import CPU_ENV, plugin_modules
 from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, external_modules, model_type_of, verl_overrides
 from stages.rl.verl.monitor import Follower, LiveReport, read_steps
@@ -251,6 +252,7 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
     history = collect_metrics(stage)
     if history:
         plot_curves(history, stage / "curves.png")
+    publish_trees(cfg, stage)  # the tree pages of the steps since the last report (stages/rl/tree_report.py)
     if returncode != 0:
         raise RuntimeError(f"verl.trainer.main_ppo exited with code {returncode}; see {stage / 'verl.log'}. "
                            "Re-running the stage resumes from the newest checkpoint")
