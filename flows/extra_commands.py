@@ -1,4 +1,5 @@
-"""Subcommands owned by other rooms (retriever server, FSDP merge, deployments), registered onto the `arpo` parser."""
+"""Subcommands owned by other rooms (retriever server, FSDP merge, rollout trees, deployments), registered onto the
+`arpo` parser."""
 
 from __future__ import annotations
 
@@ -16,12 +17,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     fsdp.add_argument("out_dir", help="the HF folder to write (atomically)")
     fsdp.add_argument("--config-dir", help="folder with config.json + tokenizer (default: <actor_dir>/huggingface)")
     fsdp.set_defaults(handler=cmd_merge_fsdp)
+    trees = sub.add_parser("trees", help="an RL run's ARPO/AEPO rollout trees as text: per-step tree statistics, then "
+                                         "one step's trees (docs/ui.md, Rollout trees)")
+    trees.add_argument("run", nargs="?", default="latest",
+                       help="a run (outputs/runs/<name>, its name, latest) or an RL stage folder (default: latest)")
+    trees.add_argument("--step", type=int, help="the dumped step to show (default: the newest)")
+    trees.add_argument("--group", help="only this group (its id as printed)")
+    trees.add_argument("--output-root", default="outputs", help="where run names are looked up (run.output_root)")
+    trees.set_defaults(handler=cmd_trees)
 
 
 def cmd_retriever(args: argparse.Namespace) -> int:
     from stages.agent.retriever_server import main
 
     return main(args.rest) or 0
+
+
+def cmd_trees(args: argparse.Namespace) -> int:
+    from stages.rl.tree_report import trees_report
+
+    print(trees_report(args.run, args.step, args.group, args.output_root), end="")
+    return 0
 
 
 def cmd_merge_fsdp(args: argparse.Namespace) -> int:

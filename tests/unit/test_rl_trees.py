@@ -27,7 +27,6 @@ from stages.rl.trees import build_trees, render_group, step_stats
 from stages.rl.verl.tree import tree_outputs
 from tests.unit.test_rl_rollout import ANSWER, SEARCH, cfg, run
 
-
 # ---- P(branch) ---------------------------------------------------------------------------------------------------
 
 def test_branch_probabilities_by_hand_and_against_the_rules():
@@ -82,7 +81,7 @@ def test_every_draw_is_recorded_with_what_decided_it():
                     assert d["child"] is None
         copies = {t.traj_id: (t.parent_id, t.fork_at) for t in group.trajectories if t.kind == "branch"}
         assert made == copies and len(copies) == group.branches      # one recorded draw per copy, and no other
-        for child, (parent, at) in copies.items():
+        for child, (_, at) in copies.items():
             assert by_id[child].meta["inherited_tool_calls"] == at // 26   # the tool call the fork follows
 
 
