@@ -202,3 +202,11 @@ def _count_pairs(text: str, opening: str, closing: str) -> int:
             break  # no later opening tag can close either
         count, pos = count + 1, end + len(closing)
     return count
+
+
+def minimal_answer(ground_truth: str) -> str:
+    """The shortest response the format contract accepts, with `ground_truth` as its answer: a thinking block and
+    the boxed answer, no tool call. It scores as a correct answer without the multi-tool bonus (the reference
+    reward gives it F1 = 1). What stands in for a known-correct trajectory where no real one exists (a rehearsal's
+    SFT file, self-critic DPO's `gold` chosen side)."""
+    return f"<think>\nThe answer is {ground_truth}.\n</think>\n\n<answer>\\boxed{{{ground_truth}}}</answer>"

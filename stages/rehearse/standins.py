@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stages.agent.protocol import minimal_answer as standin_target
 from stages.core.atomic import write_text
 from stages.core.rl_parquet import read_rl_parquet
-
-
-def standin_target(ground_truth: str) -> str:
-    return f"<think>\nThe answer is {ground_truth}.\n</think>\n\n<answer>\\boxed{{{ground_truth}}}</answer>"
 
 
 def write_sft_standin(train_parquet: str | Path, out: str | Path, rows: int, fmt: str = "sharegpt") -> Path:

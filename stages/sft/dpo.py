@@ -1,11 +1,13 @@
 """Optional self-critic DPO after SFT (Tool-Star: LLaMA-Factory DPO, LoRA r 8, beta 0.1, sigmoid loss).
 
-Pairs: for each train question the SFT checkpoint samples `samples_per_question` tool trajectories with the
-agent runtime (stages.generation: the rollout loop RL runs, without branching); the reward function (`reference` by
-default) marks each correct or not; a pair is (correct,
-incorrect) for the same question. When no sample of a question is correct, the teacher trajectory of that
-question (real tools, gold answer) is the chosen side, so a small model that is rarely right still gets
-pairs; `chosen_fallback: none` turns this off. Output: the LoRA merged into a plain HF folder.
+Pairs: for each train question (the generated task set's train split, else the first rows of the RL train
+parquet, as Tool-Star samples its RL questions) the SFT checkpoint samples `samples_per_question` tool trajectories
+with the agent runtime (stages.generation: the rollout loop RL runs, without branching); the reward function
+(`reference` by default) marks each correct or not; a pair is (correct, incorrect) for the same question. When no
+sample of a question is correct, `chosen_fallback` decides: `teacher` (the generated task set only) takes that
+question's teacher trajectory (real tools, gold answer) as the chosen side, so a small model that is rarely right
+still gets pairs; `gold` a minimal well-formed answer with its ground truth; `none` gives no pair (Tool-Star).
+Output: the LoRA merged into a plain HF folder.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.prompt_templates import system_prompt
+from stages.agent.protocol import minimal_answer
 from stages.core.atomic import write_json
 from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
+from stages.core.errors import BadInputError
 from stages.core.fingerprint import hash_value
 from stages.core.inputs import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef
+from stages.core.rl_parquet import read_rl_parquet
 from stages.core.workspace import stage_dir
 from stages.generation.samples import Sampled, sample, sampling_settings
 from stages.sft import lf_config
@@ -62,6 +67,16 @@ def preference_pairs(sampled: Sequence[Sampled], correct: Sequence[Sequence[bool
                          "chosen": {"from": "gpt", "value": chosen}, "rejected": {"from": "gpt", "value": rejected},
                          "system": system})
     return rows
+
+
+def dpo_questions(data: DatasetRef, limit: int | None) -> list[dict[str, Any]]:
+    """The questions self-critic DPO samples (id, kind, question, answer): the generated task set's train split, or,
+    for real data, the first `limit` rows of the RL train parquet the data stage wrote (validated there)."""
+    if "tasks" in data.files:
+        return train_tasks(data.file("tasks"))[:limit]
+    rows = read_rl_parquet(data.file("rl_train"), limit=limit)
+    return [{"id": row.index, "kind": row.ability or "qa", "question": row.question, "answer": row.ground_truth}
+            for row in rows]
 
 
 def ranking_row(path: Path, index: int, raw: Any) -> dict[str, Any]:
@@ -157,8 +172,8 @@ def sampled_pairs(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRe
 
     dpo = cfg.dpo
     if data is None:
-        raise ValueError("sft.dpo.source=sampled needs the data stage's DatasetRef (its 'tasks' and 'corpus')")
-    tasks = train_tasks(data.file("tasks"))[: dpo.max_questions]
+        raise ValueError("sft.dpo.source=sampled needs the data stage's DatasetRef (its tasks or RL parquet)")
+    tasks = dpo_questions(data, dpo.max_questions)
     rollout = sampling_settings(dpo.samples_per_question, dpo.temperature, dpo.max_new_tokens,
                                 agent.limits.max_calls, backend=dpo.rollout_backend)
     sampled = sample(checkpoint, tasks, agent, data, cache_root, rollout, seed=cfg.seed)
@@ -169,9 +184,14 @@ def sampled_pairs(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRe
         correct.append([r.correct for r in rewards])
     fallback = None
     if dpo.chosen_fallback == "teacher":
+        if "tasks" not in data.files:
+            raise BadInputError("sft.dpo.chosen_fallback=teacher needs the generated task set (data.source="
+                                "synthetic); with an RL parquet set it to gold or none")
         report = teacher_report(tasks, agent, data, cache_root, len(tasks), cfg.teacher_seed)
         by_id = {t["id"]: t["question"] for t in tasks}
         fallback = {by_id[row["id"]]: row["conversations"][1]["value"] for row in report.rows}
+    elif dpo.chosen_fallback == "gold":
+        fallback = {t["question"]: minimal_answer(str(t["answer"])) for t in tasks}
     rows = preference_pairs(sampled, correct, system_prompt(agent.prompt_template), dpo.pairs_per_question,
                             fallback, seed=cfg.seed)
     n = sum(len(c) for c in correct)

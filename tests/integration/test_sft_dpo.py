@@ -25,7 +25,8 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def dpo_run(tiny_config, tiny_model, synthetic_data):
     dpo = tiny_config.sft.dpo.model_copy(update=dict(enabled=True, max_questions=3, samples_per_question=2,
-                                                     max_new_tokens=96, max_steps=3, gradient_accumulation_steps=1,
+                                                     max_new_tokens=96, max_steps=3, per_device_train_batch_size=1,
+                                                     gradient_accumulation_steps=1,
                                                      cutoff_len=1024, learning_rate=1e-4))
     cfg = tiny_config.sft.model_copy(update={"dpo": dpo, "warmup_ratio": 0.0})
     start = passthrough(tiny_model, "test: DPO straight on the base model")

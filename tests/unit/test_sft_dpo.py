@@ -1,4 +1,5 @@
-"""Self-critic DPO pairs: (correct, incorrect) for the same question; teacher fallback; ranking file rows."""
+"""Self-critic DPO pairs: (correct, incorrect) for the same question; teacher and gold fallbacks; the questions (task set
+or RL parquet); ranking file rows; Tool-Star's defaults."""
 
 from __future__ import annotations
 
@@ -75,3 +76,48 @@ def test_sampling_settings_are_plain_independent_samples() -> None:
     same = RolloutSection(n=4, initial_rollouts=4, call_limit=3, max_prompt_length=1024, max_response_length=128,
                           temperature=1.0, prompt_overflow="skip").generation()
     assert settings == same
+
+
+def test_gold_fallback_is_a_correct_answer_without_tools() -> None:
+    from stages.agent.protocol import check_format, minimal_answer
+    from stages.agent.rewards import compute_rewards
+
+    gold = minimal_answer("Frank Lowy")
+    # the reference reward: format ok, F1 = 1 against the gold, no tool so no +0.1 bonus -> exactly 1.0, correct
+    assert check_format(gold).ok
+    assert [(r.score, r.correct) for r in compute_rewards("reference", [gold], ["Frank Lowy"], ["qa"])] == [(1.0, True)]
+    rows = preference_pairs([Sampled("q", "Frank Lowy", "qa", (WRONG,))], [[False]], "SYS", 1, fallback={"q": gold})
+    assert [(r["chosen"]["value"], r["rejected"]["value"]) for r in rows] == [(gold, WRONG)]
+
+
+def test_dpo_questions_come_from_the_task_set_or_the_rl_parquet(tmp_path: Path) -> None:
+    from stages.core.atomic import write_jsonl
+    from stages.core.refs import DatasetRef
+    from stages.core.rl_parquet import make_row, write_rl_parquet
+    from stages.sft.dpo import dpo_questions
+
+    rows = [make_row(i, "DR_grpo_mix", kind, "SYS", f"question {i}", f"answer {i}", "train")
+            for i, kind in enumerate(("math", "qa", "math"))]
+    parquet = write_rl_parquet(rows, tmp_path / "rl_train.parquet")
+    real = DatasetRef(path=str(tmp_path), fingerprint="x", files={"rl_train": str(parquet)})
+    # a parquet (Tool-Star's RL questions): its first rows, in file order, with their ground truths and abilities
+    assert dpo_questions(real, 2) == [{"id": 0, "kind": "math", "question": "question 0", "answer": "answer 0"},
+                                      {"id": 1, "kind": "qa", "question": "question 1", "answer": "answer 1"}]
+    tasks = write_jsonl(tmp_path / "tasks.jsonl", [
+        {"id": "t1", "kind": "math", "question": "q1", "answer": "1", "split": "test"},
+        {"id": "t2", "kind": "qa", "question": "q2", "answer": "2", "split": "train"}])
+    synthetic = DatasetRef(path=str(tmp_path), fingerprint="y", files={"rl_train": str(parquet), "tasks": str(tasks)})
+    # the generated task set wins where there is one: its train split only
+    assert [t["id"] for t in dpo_questions(synthetic, None)] == ["t2"]
+
+
+def test_dpo_defaults_are_toolstars_and_the_teacher_needs_the_task_set() -> None:
+    from stages.core.config.loader import ConfigError, load_config
+    from stages.core.config.sft import DPOSection
+
+    dpo = DPOSection()
+    # qwen_lora_dpo_2.yaml 30-31: per-device batch 2, accumulation 2
+    assert (dpo.per_device_train_batch_size, dpo.gradient_accumulation_steps) == (2, 2)
+    with pytest.raises(ConfigError, match="chosen_fallback=gold"):
+        load_config("arpo-qwen2.5-7b-reasoning", ["sft.dpo.enabled=true"])   # a parquet profile, teacher default
+    assert load_config("arpo-qwen2.5-7b-reasoning", ["sft.dpo.enabled=true", "sft.dpo.chosen_fallback=gold"])

@@ -43,6 +43,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _dpo_fallback_has_its_input(self) -> RunConfig:
+        """The teacher fallback of self-critic DPO replays the generated tasks' solutions: there are none for a
+        parquet (stages/sft/dpo.py)."""
+        dpo = self.sft.dpo
+        if dpo.enabled and dpo.source == "sampled" and dpo.chosen_fallback == "teacher" and self.data.source != "synthetic":
+            raise ValueError("sft.dpo.chosen_fallback=teacher needs the generated task set (data.source=synthetic): "
+                             f"data.source={self.data.source} has no teacher trajectories; set "
+                             "sft.dpo.chosen_fallback=gold (a minimal answer with the ground truth) or none")
+        return self
+
+    @model_validator(mode="after")
     def _verl_cpu_mode_on_cpu_only(self) -> RunConfig:
         """verl's CPU mode (stages/rl/verl/cpu_mode.py) replaces CUDA calls with host ones: never on a GPU run."""
         if self.rl.verl.cpu_mode and self.run.device != "cpu":

@@ -31,11 +31,12 @@ class TrainingSection(Section):
 
 class DPOSection(TrainingSection):
     """Optional self-critic DPO after SFT (Tool-Star `qwen_lora_dpo_2.yaml`: LoRA r 8, beta 0.1, sigmoid, lr 5e-6,
-    gradient accumulation 8, cutoff 8192)."""
+    batch 2 x gradient accumulation 2 per device, cutoff 8192)."""
 
     # Tool-Star's values where they differ from SFT's (the rest of TrainingSection as is)
     learning_rate: float = Field(5e-6, gt=0)
-    gradient_accumulation_steps: int = Field(8, ge=1)
+    per_device_train_batch_size: int = Field(2, ge=1)
+    gradient_accumulation_steps: int = Field(2, ge=1)
     cutoff_len: int = Field(8192, ge=16)
     enabled: bool = False
     source: Literal["sampled", "file"] = Field(
@@ -60,9 +61,11 @@ class DPOSection(TrainingSection):
                                  json_schema_extra={**SAMPLED, **registry("generation backend")})
     reward: str = Field("reference", description="reward function deciding which samples are correct",
                         json_schema_extra={**SAMPLED, **registry("reward function")})
-    chosen_fallback: Literal["teacher", "none"] = Field(
-        "teacher", description="teacher = a question none of whose samples is correct gets its teacher "
-                               "trajectory as the chosen side; none = such questions give no pair",
+    chosen_fallback: Literal["teacher", "gold", "none"] = Field(
+        "teacher", description="for a question none of whose samples is correct: teacher = its teacher trajectory "
+                               "(the generated task set only) is the chosen side; gold = a minimal well-formed answer "
+                               "with its ground truth, no tool call (stages.agent.protocol.minimal_answer); none = "
+                               "no pair (Tool-Star: pairs are the policy's own samples only)",
         json_schema_extra=SAMPLED)
 
     @model_validator(mode="after")
