@@ -5,7 +5,8 @@ The three runs that infer serve the policy with vLLM (about a minute each to sta
 
 One module-scoped server + worker with their own PREFECT_HOME and result store, and outputs in a temp folder,
 so the first run really computes everything after SFT (data and SFT are the session's `tiny_chain`, found complete
-under the same keys: SFT training through the pipeline is `tiny_chain`'s own `arpo run --until sft`).
+under the same keys: SFT training through the pipeline is `tiny_chain`'s own `arpo run --until sft`). RL's stage
+folder holds a tree page per dumped step, which headless chromium renders, and `arpo trees` prints the same trees.
 
 Over 5 minutes, because it is four real pipeline runs on 2 cores: two RL trainings, two merges, the held-out
 evaluation of three policies, three vLLM server starts (about a minute each) and their inference. Each run is a
@@ -131,6 +132,29 @@ def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
     record = deployed["outputs"] / "runs" / "latest"
     refs = json.loads((record / "refs.json").read_text())
     assert Path(refs["report"]["path"]).exists()
+    deployed["rl_stage"] = Path(refs["rl"]["meta"]["rollouts"]).parent
+
+
+def test_rl_wrote_a_tree_page_per_step_and_arpo_trees_prints_the_same_trees(deployed: dict, tmp_path: Path) -> None:
+    from stages.rl.tree_report import page_path
+    from stages.rl.trees import dump_files, read_step, render_group
+    from tests.integration.tree_browser import check_tree_page
+
+    stage = deployed["rl_stage"]
+    dumps = dump_files(stage / "rollouts")
+    assert sorted(dumps) == [1]                                           # rl.trainer.total_steps=1
+    groups = read_step(dumps[1])
+    rows = [n.row for g in groups for n in g.nodes()]
+    assert all(r["tree"]["segments"] and r["loss_tokens"] == (0 if r["masked"] else r["model_tokens"]) for r in rows)
+    for r in (r for r in rows if r["kind"] == "branch"):                 # each copy: the parent's draw that made it
+        parent = next(p for p in rows if p["group"] == r["group"] and p["traj_id"] == r["parent_id"])
+        assert [d["at"] for d in parent["tree"]["draws"] if d["child"] == r["traj_id"]] == [r["fork_at"]]
+    printed = subprocess.run([sys.executable, "-m", "flows.cli", "trees", str(deployed["outputs"] / "runs" / "latest")],
+                             capture_output=True, text=True, check=True, cwd=PROJECT_ROOT).stdout
+    assert all(render_group(g) in printed for g in groups)
+    shown = check_tree_page(page_path(stage, 1), tmp_path / "trees.png")
+    assert shown["errors"] == [] and shown["trees"] == len(groups) and shown["visible_after"]
+    assert shown["forks"] == sum(r["kind"] == "branch" for r in rows) and shown["blue_pixels"] > 1000
 
 
 def test_second_run_recomputes_nothing(deployed: dict) -> None:
@@ -174,6 +198,6 @@ def test_ui_shows_the_run_its_tasks_and_artifacts(deployed: dict, tmp_path: Path
     for text in ("arpo-pipeline", "pipeline-tiny", "arpo-cpu", "Completed", "Task runs"):
         assert text in header, header[:2000]
     listed = page_text(f"{deployed['url']}/artifacts")
-    for key in ("resolved-config", "sft-loss", "rl-algorithm-card", "rl-curves", "rl-rollouts", "merge-parity",
-                "eval-report", "run-summary"):
+    for key in ("resolved-config", "sft-loss", "rl-algorithm-card", "rl-curves", "rl-rollouts", "rl-trees",
+                "rl-tree-pages", "merge-parity", "eval-report", "run-summary"):
         assert key in listed, listed[:2000]

@@ -186,6 +186,33 @@ def test_full_trees_with_our_rewards_advantages_and_masked_tool_tokens(smoke):
     assert calls > 0                                                        # the sandboxed tools ran
 
 
+def test_verls_tree_loop_recorded_the_branch_decisions_and_the_pages_render(smoke, tmp_path):
+    """The dump rows carry the tree (stages/rl/tree_record.py) through verl's extra fields: each copy was made by a
+    draw recorded on its parent (at its fork point, with P = clip(tau + w dH) of tiny-cpu's tau 0.5, w 0.2), every
+    tool call has its result span, the loss tokens are verl's mask; a tree page per step renders in chromium."""
+    from stages.rl.tree_report import page_path, trees_report
+    from stages.rl.trees import dump_files, read_step, render_group
+    from tests.integration.tree_browser import check_tree_page
+
+    stage = smoke["stage"]
+    assert sorted(dump_files(stage / "rollouts")) == [1, 2]
+    for step, dump in dump_files(stage / "rollouts").items():
+        groups = read_step(dump)
+        rows = [n.row for g in groups for n in g.nodes()]
+        for r in rows:
+            assert r["loss_tokens"] == r["model_tokens"] and r["tree"]["group"]["n"] == 4 and r["tree"]["segments"]
+            assert len(r["tree"]["tool_spans"]) == r["tool_calls"]["all"]      # a span per call, inherited ones too
+            for d in r["tree"]["draws"]:
+                assert d["p"] == pytest.approx(min(1.0, max(0.0, 0.5 + 0.2 * d["dh"])), abs=1e-5)
+                assert d["branch"] == (min(1.0, max(0.0, d["u"] - 0.2 * d["dh"])) <= 0.5)
+        made = {(r["group"], d["child"]): d["at"] for r in rows for d in r["tree"]["draws"] if d["branch"]}
+        copies = {(r["group"], r["traj_id"]): r["fork_at"] for r in rows if r["kind"] == "branch"}
+        assert made == copies
+        assert all(render_group(g) in trees_report(stage, step=step) for g in groups)
+        shown = check_tree_page(page_path(stage, step), tmp_path / f"step_{step}.png")
+        assert shown["errors"] == [] and shown["trees"] == 2 and shown["visible_after"]
+
+
 def test_the_merge_stage_turned_verls_checkpoint_into_a_model_that_trained(smoke):
     from safetensors.torch import load_file
 
