@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="show or validate the resolved config")
     config.add_argument("action", choices=["show", "validate"])
     config.add_argument("--card", action="store_true",
-                        help="show the RL algorithm card instead: each mechanism, this run vs the reference code")
+                        help="show the RL algorithm card instead: each mechanism, this run vs the reference code (and the "
+                             "rest of the published recipe where one is on file: stages/core/recipes.py)")
     _config_args(config)
     config.set_defaults(handler=cmd_config)
 
@@ -112,9 +113,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.profile, args.override)
     if args.card:
+        from stages.core.recipes import recipe_for, recipe_markdown
         from stages.rl.card import algorithm_card, card_markdown
 
         print(card_markdown(algorithm_card(cfg.rl)))
+        recipe = recipe_for(cfg.rl.reference_setting)   # the rest of a published recipe (SFT, DPO, evaluation)
+        if recipe is not None:
+            print(recipe_markdown(cfg, recipe))
         return 0
     print(to_yaml(cfg) if args.action == "show" else f"ok: profile {cfg.profile} is valid")
     return 0

@@ -54,6 +54,13 @@ class Arch:
 
 # name (lower case, "-instruct" dropped) -> config.json (docs/plan.md "Memory" links each file)
 ARCHS: dict[str, Arch] = {
+    # Tool-Star's released sizes (Qwen2.5-Instruct 0.5B, 1.5B, 3B): the three tie the LM head to the embedding
+    "qwen2.5-0.5b": Arch(hidden=896, layers=24, intermediate=4864, heads=14, kv_heads=2, vocab=151936, tied=True,
+                         qkv_bias=True, model_type="qwen2", max_positions=32768),
+    "qwen2.5-1.5b": Arch(hidden=1536, layers=28, intermediate=8960, heads=12, kv_heads=2, vocab=151936, tied=True,
+                         qkv_bias=True, model_type="qwen2", max_positions=32768),
+    "qwen2.5-3b": Arch(hidden=2048, layers=36, intermediate=11008, heads=16, kv_heads=2, vocab=151936, tied=True,
+                       qkv_bias=True, model_type="qwen2", max_positions=32768),
     "qwen2.5-7b": Arch(hidden=3584, layers=28, intermediate=18944, heads=28, kv_heads=4, vocab=152064,
                        qkv_bias=True, model_type="qwen2", max_positions=32768),
     "qwen3-14b": Arch(hidden=5120, layers=40, intermediate=17408, heads=40, kv_heads=8, vocab=151936, head_dim=128,

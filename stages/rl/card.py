@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from stages.core.algorithm_spec import ALGORITHMS, AlgorithmSpec
 from stages.core.config.rl import RLSection, RolloutSection
-from stages.rl.reference_code import DOC, ReferenceSetting, reference_for
+from stages.rl.reference_code import DOC, NO_DUAL_CLIP, ReferenceSetting, reference_for
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,15 @@ def _policy_loss(t: Trained) -> str:
     low, high, c = t.clip
     shape = ("AEPO entropy-balanced clip: upper bound (1 + eps_high) r / sg(r), gradient kept above it"
              if t.policy_loss == "aepo_balanced_clip" else "PPO clip")
-    return f"{shape}; eps_low = {low}, eps_high = {high}, dual clip c = {c}"
+    dual = "no dual clip" if c == NO_DUAL_CLIP else f"dual clip c = {c}"
+    return f"{shape}; eps_low = {low}, eps_high = {high}, {dual}"
+
+
+def _loss_difference(t: Trained, ref: ReferenceSetting) -> str:
+    if ref.clip_ratios[2] == NO_DUAL_CLIP and t.clip[2] != NO_DUAL_CLIP and t.clip[:2] == ref.clip_ratios[:2]:
+        return ("the reference's loss has no dual clip; it changes only tokens with a negative advantage whose ratio "
+                f"exceeds c = {t.clip[2]:g}, capping their loss at c |A|; -o rl.loss.clip_ratio_c=1e9 removes it")
+    return "another loss or clip ratios"
 
 
 AGGREGATION_TEXT = {
@@ -232,7 +240,7 @@ def training_rows(rl: RLSection, t: Trained, ref: ReferenceSetting) -> list[Card
             "(local engine)")
     return [
         _row("reward", t.reward, "reference", "math_equiv scores math answers by equivalence", "published-runs",
-             note="the reference: deep_research.py compute_score"),
+             note=f"the reference: {ref.reward_code}"),
         _row("advantage estimator", _advantage(rl), _advantage(rl.model_copy(update={"advantage": type(
             rl.advantage)()})), "another estimator or eps", "advantage"),
         _row("attribution of shared prefixes", rl.advantage.attribution, "soft",
@@ -242,7 +250,7 @@ def training_rows(rl: RLSection, t: Trained, ref: ReferenceSetting) -> list[Card
              "rl.advantage.entropy_aware=false to reproduce it)" if rl.advantage.entropy_scope == "step" else
              "the reference code's own computation, as it would run with entropy computed; the published run "
              "trained without it", anchor="entropy-aware-advantage"),
-        _row("policy loss", _policy_loss(t), _policy_loss(ref_loss), "another loss or clip ratios", "policy-loss"),
+        _row("policy loss", _policy_loss(t), _policy_loss(ref_loss), _loss_difference(t, ref), "policy-loss"),
         _row("loss aggregation", AGGREGATION_TEXT.get(t.aggregation, t.aggregation), REFERENCE_AGGREGATION,
              size if t.aggregation == "token_mean" else "micro-batches of fixed row count, not token-packed"
              if t.aggregation == "micro_token_mean" else "another aggregation", "loss-aggregation"),
@@ -267,7 +275,7 @@ def card_notes(rl: RLSection) -> list[str]:
 def algorithm_card(rl: RLSection) -> AlgorithmCard:
     ref = reference_for(rl.algorithm, rl.reference_setting)
     trained = trained_verl(rl) if rl.engine == "verl" else trained_local(rl)
-    engine = CardRow("engine", f"{rl.engine}: {trained.source}", f"{ref.code}: its verl 0.3.1.dev fork",
+    engine = CardRow("engine", f"{rl.engine}: {trained.source}", f"{ref.code}: {ref.fork}",
                      "differs", "infrastructure only: the algorithm functions are the same objects in both engines",
                      f"{DOC}#published-runs")
     return AlgorithmCard(rl.algorithm, rl.engine, ref,

