@@ -125,6 +125,13 @@ def test_tree_loop_yields_n_trajectories_as_n_sessions_with_n_rewards(tiny_verl_
     extras = list(data["extra_fields"])
     assert [e["arpo_kind"] for e in extras].count("branch") >= 1      # branch_probability 1: the tree branched
     assert {(e["min_global_steps"], e["max_global_steps"]) for e in extras} == {(2, 2)}  # weights that served it
+    # the tree's decisions survive verl's conversion (stages/rl/tree_record.py): the copy's draw on its parent
+    from stages.rl.tree_record import extra_tree_fields
+
+    trees = [extra_tree_fields(e, data["responses"][r].tolist(), data["response_mask"][r].tolist(), tok)
+             for r, e in enumerate(extras)]
+    assert {(d["child"], d["at"]) for t in trees for d in t["tree"]["draws"] if d["branch"]} == {
+        (e["arpo_tree_index"], e["arpo_fork_at"]) for e in extras if e["arpo_kind"] == "branch"}
     rewards = []
     for row in range(4):
         ids = data["responses"][row].tolist()
