@@ -60,7 +60,7 @@ def publish_trees(cfg: Any, stage: Path, write: bool = True) -> None:
         png = Path(stage) / PAGES / f"step_{step:06d}.png"
         if write:
             png = plot_trees(groups[:IMAGE_GROUPS], png, f"{cfg.algorithm}, step {step}") or png
-    except (BadInputError, ValueError, OSError) as err:  # the watching side never stops a run
+    except (BadInputError, ValueError, KeyError, TypeError, OSError) as err:  # watching never stops a run
         log.warning("rollout trees of %s not written: %s", stage, err)
         return
     if png.is_file():

@@ -272,3 +272,10 @@ def test_arpo_trees_resolves_runs_and_prints_the_step(tmp_path):
         trees_report(stage, step=2, group="g9")
     with pytest.raises(MissingInputError, match="neither an RL stage folder"):
         rl_stage(tmp_path / "nothing", tmp_path / "outputs")
+
+
+def test_a_bad_dump_never_stops_the_run(tmp_path):
+    cfg_ = SimpleNamespace(algorithm="arpo", trainer=SimpleNamespace(dump_rollouts=True))
+    write_jsonl(tmp_path / "rollouts" / "step_1.jsonl", [{"group": 0}])      # no traj_id
+    publish_trees(cfg_, tmp_path)                                             # logged, not raised
+    assert not page_path(tmp_path, 1).exists()
