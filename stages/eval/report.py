@@ -49,8 +49,8 @@ def load_reference_numbers(path: str | Path = REFERENCE_FILE) -> pd.DataFrame:
             raise ValueError(f"{path} numbers[{number}]: setting {entry['setting']!r} is not declared under "
                              f"`settings:` (known: {sorted(settings)})")
         rows.append({**entry, **settings[entry["setting"]]})
-    return pd.DataFrame(rows, columns=["setting", "model", "method", "benchmark", "metric", "measure", "value",
-                                       "source"])
+    return pd.DataFrame(rows, columns=["setting", "model", "method", "base_model", "benchmark", "metric", "measure",
+                                       "value", "source"])
 
 
 def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame,
@@ -118,7 +118,13 @@ def _published(reference: pd.DataFrame, summary: dict[str, Any], setting: str | 
     ours = {"pass@1": summary["accuracy_metric"]}
     same: dict[str, float] = {}
     other = []
-    for r in entries[entries["setting"] == setting].sort_values("metric").itertuples():
+    mine_only = entries[entries["setting"] == setting]
+    base = next((b for b in mine_only["base_model"] if isinstance(b, str) and b), None)
+    if base is not None and base.lower() not in str(summary.get("model", "")).lower():
+        # numbers of another model size: not comparable (the README's other sizes are an image)
+        return {}, {"paper (other metric)": f"{setting}'s numbers are {base}'s; this run served {summary.get('model')}"
+                    " (no published number for it here)" if len(mine_only) else None}
+    for r in mine_only.sort_values("metric").itertuples():
         mine = ours.get(r.metric, summary.get("correct_metric"))
         if r.measure == mine:
             same["paper accuracy" if r.metric == "pass@1" else f"paper {r.metric}"] = float(r.value)
@@ -132,7 +138,7 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
     keep = [c for c in table.columns if c in _HEADLINE or c.startswith(("pass@", "paper "))]
     shown = table[keep].round(2).astype(object).where(table[keep].notna(), None)  # missing -> "-"
     benchmarks = set(table["benchmark"])
-    cited = reference[reference["benchmark"].isin(benchmarks)]
+    cited = reference[reference["benchmark"].isin(benchmarks)].drop(columns="base_model")
     legend = (f"Rates in percent. `accuracy` = each benchmark's headline metric as the papers report it (`metric`: "
               f"F1 for HotpotQA, 2Wiki, MuSiQue, Bamboogle; llm_equal, the judge, for the others; without a judge "
               f"math_equal / F1 stand in and the column says so). pass@k counts the `pass@k verdict` with the "

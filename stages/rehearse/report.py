@@ -1,6 +1,7 @@
 """The rehearsal report (`rehearsal.md` + `rehearsal.json` in the run record): what was changed and why, each seam
-check, the real-scale estimate, per stage whether it ran in this rehearsal and for how long, and what the toy's RL
-steps saw (reward signal, tool calls, rollout-vs-trainer log-prob agreement, gradient)."""
+check, the real-scale estimate, per stage whether it ran in this rehearsal and for how long, self-critic DPO's pairs
+(counted, one shown) when the profile runs it, and what the toy's RL steps saw (reward signal, tool calls,
+rollout-vs-trainer log-prob agreement, gradient)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,40 @@ def rl_lines(steps: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+DPO_EXAMPLE_CHARS = 600   # each side of the shown pair, from its start
+
+
+def dpo_pairs(refs: dict[str, Any], examples: int = 1) -> dict[str, Any] | None:
+    """Self-critic DPO in this run (stages/sft/dpo.py): the pair counts, the training metrics and the first
+    `examples` pairs (question, chosen, rejected; long sides cut); None without a DPO stage in the run."""
+    ref = refs.get("dpo")
+    folder = stage_folder(ref["path"]) if isinstance(ref, dict) and ref.get("path") else None
+    if folder is None or not (folder / "pairs" / "counts.json").is_file():
+        return None
+    pairs = folder / "pairs" / "self_critic_dpo.jsonl"
+    rows = read_jsonl(pairs) if pairs.is_file() else []
+    metrics = json.loads((folder / "metrics.json").read_text()) if (folder / "metrics.json").is_file() else {}
+    cut = lambda text: text if len(text) <= DPO_EXAMPLE_CHARS else text[:DPO_EXAMPLE_CHARS] + " [...]"  # noqa: E731
+    return {"counts": json.loads((folder / "pairs" / "counts.json").read_text()), "rows": len(rows),
+            "training": {k: metrics[k] for k in ("steps", "loss_first", "loss_last") if k in metrics},
+            "examples": [{"question": cut(r["conversations"][-1]["value"]), "chosen": cut(r["chosen"]["value"]),
+                          "rejected": cut(r["rejected"]["value"])} for r in rows[:examples]]}
+
+
+def dpo_lines(dpo: dict[str, Any] | None) -> list[str]:
+    """The report's self-critic DPO section."""
+    if dpo is None:
+        return ["no self-critic DPO stage in this rehearsal (sft.dpo.enabled is false)"]
+    counts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in dpo["counts"].items())
+    train = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
+                      for k, v in dpo["training"].items())
+    lines = [f"- pairs: {dpo['rows']} in the LLaMA-Factory ranking file ({counts})", f"- training: {train or '-'}"]
+    for i, pair in enumerate(dpo["examples"], start=1):
+        lines += ["", f"Pair {i}, question: {pair['question']}", "", "chosen:", "", "```", pair["chosen"], "```", "",
+                  "rejected:", "", "```", pair["rejected"], "```"]
+    return lines
+
+
 def stage_timings(refs: dict[str, Any], started_at: float) -> list[dict[str, Any]]:
     """Per stage of the run's refs: ran in this rehearsal (finished after `started_at`) or came from an earlier
     run's outputs, and the wall time between its finish and the previous stage's (the stages run one after the
@@ -86,12 +121,15 @@ def stage_timings(refs: dict[str, Any], started_at: float) -> list[dict[str, Any
 
 
 def write_report(run_dir: str | Path, rehearsal: Rehearsal, seams: list[Any] | None, real_scale: dict[str, Any],
-                 timings: list[dict[str, Any]], wall_s: float, steps: list[dict[str, Any]] | None = None) -> Path:
-    """Write rehearsal.json and rehearsal.md into the run record; returns the markdown's path. `steps`: rl_steps."""
+                 timings: list[dict[str, Any]], wall_s: float, steps: list[dict[str, Any]] | None = None,
+                 dpo: dict[str, Any] | None = None) -> Path:
+    """Write rehearsal.json and rehearsal.md into the run record; returns the markdown's path. `steps`: rl_steps;
+    `dpo`: dpo_pairs."""
     run_dir = Path(run_dir)
     seam_rows = [{"check": s.name, "ok": s.ok, "detail": s.detail} for s in seams or []]
     write_json(run_dir / "rehearsal.json", {**rehearsal.to_json(), "seam_checks": seam_rows, "real_scale": real_scale,
-                                            "stages": timings, "rl_steps": steps or [], "wall_s": round(wall_s, 1)})
+                                            "stages": timings, "rl_steps": steps or [], "dpo": dpo,
+                                            "wall_s": round(wall_s, 1)})
     lines = [f"# Rehearsal of {rehearsal.profile}", "",
              "**A rehearsal, not a run of the profile**: a random-init toy model of the profile's architecture with its "
              "real tokenizer, at toy scale, with the swaps below. Its scores mean nothing; what it shows is that every "
@@ -107,6 +145,8 @@ def write_report(run_dir: str | Path, rehearsal: Rehearsal, seams: list[Any] | N
         lines += [f"| {r['check']} | {'ok' if r['ok'] else 'FAILED'} | {r['detail']} |" for r in seam_rows]
     else:
         lines.append("not run (no stage that reads the tokenizer was planned)")
+    if dpo is not None:
+        lines += ["", "## Self-critic DPO (its pairs from the SFT'd toy's self-samples)", "", *dpo_lines(dpo)]
     lines += ["", "## The toy's RL steps (metrics.jsonl; its scores mean nothing)", "", *rl_lines(steps or [])]
     lines += ["", "## At the profile's real scale", ""]
     lines += [f"- {key}: {value}" for key, value in real_scale.items()] or ["(no estimate)"]

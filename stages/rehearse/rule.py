@@ -8,11 +8,13 @@ One rule, stated once (docs/rehearse.md): **keep the shape, shrink the sizes, sw
 - scaled ("the smallest run with the same shape"): n -> 4 rollouts per prompt with the profile's share of initial
   rollouts (ARPO 8 of 16 -> 2 of 4) and beam_size <= n - initial; 2 prompts per step with the profile's
   prompts-per-update ratio (at least 1), 2 steps, a checkpoint every step; responses 256 tokens; SFT 4 steps on at most
-  16 rows; evaluation 2 questions per benchmark, at most 2 samples;
+  16 rows; self-critic DPO (when on) 2 steps on the pairs of 2 questions x 2 self-samples; evaluation 2 questions per
+  benchmark, at most 2 samples;
 - swapped (each with its reason): the model (a random-init toy of its architecture, stages/bootstrap/toy.py), the
   device (CPU, float32), GPU counts and launchers (one process), the servers' interpreter (.venv-vllm), web search
   (recorded results), browsing (recorded pages or off), the judge (rule metrics), missing data files (the synthetic
-  task set, the scripted teacher's SFT trajectories), missing benchmarks (dropped).
+  task set, the scripted teacher's SFT trajectories), missing benchmarks (dropped), DPO's chosen side when the
+  profile takes only correct self-samples (a random-init toy has none: a minimal answer with the ground truth).
 
 Every change is a `Change` (key, real value, rehearsal value, kind, why): printed before the run and written into
 its record, so a rehearsal never passes for a real run.
@@ -30,6 +32,7 @@ PROMPTS = 2           # prompts per RL step
 STEPS = 2             # RL steps: a checkpoint, a resume point, a second update
 RESPONSE_TOKENS = 256
 SFT_STEPS, SFT_ROWS = 4, 16
+DPO_STEPS, DPO_QUESTIONS = 2, 2   # self-critic DPO: pairs from 2 questions' self-samples, 2 LoRA steps
 EVAL_QUESTIONS, EVAL_SAMPLES, EVAL_TOKENS = 2, 2, 256
 TRAIN_ROWS = 16       # RL rows read from a real parquet (>= PROMPTS x STEPS)
 VERL_CPU_PYTHON = ".venv-verl-cpu/bin/python"   # ./scripts/setup-verl.sh --cpu
@@ -181,7 +184,27 @@ def _sft(cfg: Any, synthetic_data: bool, change) -> str | None:
     change("sft.max_steps", s.max_steps, SFT_STEPS, "scale", "SFT steps")
     change("sft.per_device_train_batch_size", s.per_device_train_batch_size, 1, "scale", "one row per step")
     change("sft.gradient_accumulation_steps", s.gradient_accumulation_steps, 1, "scale", "one row per step")
+    if s.dpo.enabled:
+        _dpo(s.dpo, change)
     return standin
+
+
+def _dpo(d: Any, change) -> None:
+    """Self-critic DPO in the chain: a few questions' self-samples, their pairs, a few LoRA steps."""
+    for key, value, why in (("max_steps", DPO_STEPS, "DPO steps"),
+                            ("per_device_train_batch_size", 1, "one pair per step"),
+                            ("gradient_accumulation_steps", 1, "one pair per step")):
+        change(f"sft.dpo.{key}", getattr(d, key), value, "scale", why)
+    if d.source != "sampled":
+        return
+    change("sft.dpo.max_questions", d.max_questions, DPO_QUESTIONS, "scale", "questions the SFT'd toy samples")
+    change("sft.dpo.samples_per_question", d.samples_per_question, 2, "scale", "self-samples per question")
+    change("sft.dpo.max_new_tokens", d.max_new_tokens, RESPONSE_TOKENS, "scale", "toy responses")
+    change("sft.dpo.rollout_backend", d.rollout_backend, "transformers", "swap", "sampled in this process on the CPU")
+    if d.chosen_fallback == "none":
+        change("sft.dpo.chosen_fallback", "none", "gold", "swap", "a random-init toy is never right, so no "
+               "self-sample can be the chosen side: the question's ground truth in a minimal answer "
+               "(stages.agent.protocol.minimal_answer) stands in, so pairs exist and DPO trains on them")
 
 
 def _serving(cfg: Any, change) -> None:

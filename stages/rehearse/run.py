@@ -54,8 +54,8 @@ def prepare(profile: str, user_overrides: list[str], offline: Offline, stages: l
 
 def finish(prepared: Prepared, summary: dict[str, Any]) -> Path:
     """Write rehearsal.md / rehearsal.json into the run record of the pipeline run `summary`."""
-    from stages.rehearse.report import rl_steps, stage_timings, write_report
+    from stages.rehearse.report import dpo_pairs, rl_steps, stage_timings, write_report
 
     return write_report(summary["run_dir"], prepared.rehearsal, prepared.seams, prepared.at_scale,
                         stage_timings(summary["refs"], prepared.started), time.time() - prepared.started,
-                        rl_steps(summary["refs"]))
+                        rl_steps(summary["refs"]), dpo_pairs(summary["refs"]))

@@ -128,3 +128,91 @@ def test_plan_prices_the_3b_and_the_7b_on_eight_80_gib_gpus():
     ninety = plan_run(load_config(PROFILE, ["model.path=Qwen/Qwen2.5-7B-Instruct",
                                             "rl.verl.gpu_memory_utilization=0.9"]))
     assert "rollout" in (memory_problem(ninety.memory) or "")
+
+
+def _summary(benchmark: str, model: str, metric: str, value: float) -> dict:
+    point = {"value": value, "ci_low": value, "ci_high": value}
+    return {"benchmark": benchmark, "task_type": "qa", "model": model, "questions": 2, "samples_per_question": 1,
+            "accuracy_metric": metric, "correct_metric": metric, "metrics": {"accuracy": point, "pass@1": point},
+            "em": 0.0, "f1": value, "llm_equal": None, "benchmark_hash": "h"}
+
+
+def test_published_numbers_sit_beside_a_run_of_the_same_size_only():
+    from stages.eval.report import load_reference_numbers, report_rows
+
+    reference = load_reference_numbers()
+    assert load_config(PROFILE).eval.reference_setting == "toolstar-qwen2.5-3b"
+    # the 3B's HotpotQA F1 51.9 and AIME24 20.0 (llm_equal; here the rule metric stands in, so it is "other")
+    (hotpot, aime) = report_rows([_summary("hotpotqa", "Qwen2.5-3B-Instruct-hf-merged", "f1", 0.4),
+                                  _summary("aime24", "Qwen2.5-3B-Instruct-hf-merged", "math_equal", 0.1)],
+                                 reference, "toolstar-qwen2.5-3b")
+    assert hotpot["paper accuracy"] == 51.9 and aime["paper accuracy"] is None
+    assert aime["paper (other metric)"] == "pass@1 llm_equal 20 (ours: math_equal)"
+    # a 7B run of the same profile: the 3B's numbers are not its numbers, and the row says so
+    (seven,) = report_rows([_summary("hotpotqa", "Qwen2.5-7B-Instruct-hf-merged", "f1", 0.4)], reference,
+                           "toolstar-qwen2.5-3b")
+    assert seven["paper accuracy"] is None and "Qwen2.5-3B-Instruct's" in seven["paper (other metric)"]
+
+
+def test_the_rehearsal_keeps_self_critic_dpo_in_the_chain_at_toy_scale():
+    real = load_config(PROFILE)
+    rehearsal = rehearsal_for(real, REPLAY)
+    cfg = load_config(PROFILE, rehearsal.overrides())
+    changes = {c.key: c for c in rehearsal.changes}
+    d = cfg.sft.dpo
+    assert d.enabled and (d.source, d.beta, d.loss, d.lora_rank, d.reward) == ("sampled", 0.1, "sigmoid", 8,
+                                                                              "reference")
+    assert (d.max_questions, d.samples_per_question, d.max_new_tokens, d.max_steps) == (2, 2, 256, 2)
+    # a random-init toy is never right: the ground truth's minimal answer is the chosen side, said as a swap
+    assert changes["sft.dpo.chosen_fallback"].kind == "swap" and d.chosen_fallback == "gold"
+    # GRPO's shape: all 4 of 4 rollouts from the prompt, no beam; the profile's engine and its 3B tied toy
+    assert (cfg.rl.algorithm, cfg.rl.rollout.n, cfg.rl.rollout.initial_rollouts, cfg.rl.rollout.beam_size) == (
+        "grpo", 4, 4, 1)
+    assert (cfg.rl.engine, cfg.model.source, cfg.model.name) == ("verl", "toy", "Qwen2.5-3B-Instruct")
+    assert cfg.agent.inference.debugger and cfg.agent.search.backend == "replay"
+    assert "alpaca rows written from the RL parquet" in changes["sft.dataset_path"].why
+
+
+def test_the_report_counts_dpo_pairs_and_shows_chosen_and_rejected(tmp_path):
+    from stages.rehearse.report import dpo_pairs, write_report
+
+    folder = tmp_path / "dpo" / "k"
+    (folder / "pairs").mkdir(parents=True)
+    (folder / "model").mkdir()
+    (folder / "_COMPLETE.json").write_text(json.dumps({"finished_at": 1.0}))
+    counts = {"questions": 2, "samples": 4, "correct_samples": 0, "questions_with_sampled_correct": 0, "pairs": 2}
+    (folder / "pairs" / "counts.json").write_text(json.dumps(counts))
+    long_rejected = "<think> " + "x" * 700
+    pairs = [{"conversations": [{"from": "human", "value": f"q{i}"}], "system": "S",
+              "chosen": {"from": "gpt", "value": f"<answer>\\boxed{{{i}}}</answer>"},
+              "rejected": {"from": "gpt", "value": long_rejected}} for i in range(2)]
+    (folder / "pairs" / "self_critic_dpo.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (folder / "metrics.json").write_text(json.dumps({"steps": 2, "loss_first": 0.6931, "loss_last": 0.69, **counts}))
+    dpo = dpo_pairs({"dpo": {"path": str(folder / "model")}})
+    assert dpo["rows"] == 2 and dpo["counts"] == counts and dpo["training"] == {"steps": 2, "loss_first": 0.6931,
+                                                                                "loss_last": 0.69}
+    # one pair shown; a side longer than 600 characters is cut there
+    (shown,) = dpo["examples"]
+    assert shown["chosen"] == "<answer>\\boxed{0}</answer>" and shown["rejected"].endswith(" [...]")
+    assert len(shown["rejected"]) == 600 + len(" [...]")
+    md = write_report(tmp_path, rehearsal_for(load_config(PROFILE), REPLAY), None, {}, [], 60.0, [],
+                      dpo).read_text()
+    assert "## Self-critic DPO" in md and "- pairs: 2 in the LLaMA-Factory ranking file (questions 2, samples 4" in md
+    assert "chosen:" in md and "rejected:" in md and "loss first 0.6931" in md
+    assert json.loads((tmp_path / "rehearsal.json").read_text())["dpo"]["rows"] == 2
+    assert dpo_pairs({"sft": {"path": str(folder / "model")}}) is None        # a chain without DPO
+
+
+def test_a_dry_run_passes_every_seam_check_on_the_tied_toy(tmp_path, capsys):
+    from flows.cli import main
+
+    if not (SHARED_DATA / "rl" / "train_10k.parquet").is_file():
+        missing_setup(f"the shared data folder {SHARED_DATA} is missing")
+    assert main(["rehearse", "-p", PROFILE, "--search-replay", REPLAY.search_replay, "--dry-run", "--ephemeral",
+                 "-o", f"run.output_root={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "seam checks: template ok; thinking ok; tags ok; special_ids ok; lengths ok" in out
+    assert "at the real scale, RL steps: 156 over 10000 prompts" in out
+    assert "at the real scale, memory per GPU: peak ~70.3 GiB (rollout) of 80 GiB: fits" in out
+    toy = json.loads(next(Path(tmp_path, "rehearse", "bootstrap").glob("*/model/toy.json")).read_text())
+    assert toy["arch"] == "qwen2.5-3b" and toy["tied_embeddings"] is True
