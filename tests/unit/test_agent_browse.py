@@ -305,7 +305,7 @@ def test_page_replay_needs_no_network(site, tmp_path):
         raise AssertionError(f"replay made a request: {request.url}")
 
     cfg = browse_cfg(mode="replay", replay_path=str(recording))
-    replay = PageFetcher(cfg, tmp_path / "other", client=httpx.Client(transport=httpx.MockTransport(no_network)))
+    replay = PageFetcher(cfg, tmp_path / "other", transport=httpx.MockTransport(no_network))
     try:
         article, missing, unknown = replay.fetch_many([site.url("/article.html"), site.url("/missing"),
                                                        "https://example.org/never"])

@@ -1,31 +1,45 @@
 """Page bytes -> text, and the passage of a page that a search snippet points at (the reference's deep-search tool,
 docs/reference.md "Deep-search browsing").
 
-- HTML: BeautifulSoup with Python's own parser (no lxml, nothing executed: scripts, styles, templates and frames are
-  dropped before the text is read), words joined by single spaces, first `max_text_chars`.
-- PDF: pypdf, at most `pdf_max_pages` pages, first `pdf_max_words` words.
+- HTML: lxml's HTML parser (libxml2: linear time, and its default nesting limit of 256 levels bounds a page of
+  unclosed tags; text below that depth is dropped), comments and processing instructions dropped, then scripts,
+  styles, templates and frames with their content (nothing is executed or fetched), words joined by single spaces,
+  first `max_text_chars`.
+- PDF: pypdf, at most `pdf_max_pages` pages, first `pdf_max_words` words; with a `deadline` each page gets at most
+  `page_timeout_s` (a slower page is skipped) and the whole document until the deadline (`Overrun`).
 - Binary junk served as text (NUL or control bytes in its first 8 KB) is refused, never passed on as text.
+- Lone surrogates (a PDF's ToUnicode map can produce them) become U+FFFD.
 - Passage: the sentence with the best word F1 against the snippet (above the threshold) and `passage_chars` on each
   side of it; without one, the first 2 x `passage_chars`. The Chinese variant splits sentences at 。！？ when the
   snippet holds a CJK ideograph and cuts Chinese text into words with jieba.
 - `defang`: protocol tags (`<result>`, `<answer>`, a tool's tags, `<think>`) in page text cannot close or open a
   block of the trajectory: their `<` becomes `‹`.
+
+HTML and PDF extraction run in a bounded worker process (stages/agent/search/extract_worker.py): the time limits
+here are soft (a signal, seen between bytecodes), the worker's kill is the hard one.
 """
 
 from __future__ import annotations
 
+import codecs
 import io
 import logging
 import re
+import signal
 import string
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-_DROP_TAGS = ("script", "style", "noscript", "template", "iframe", "object", "embed", "svg", "canvas")
+_DROP_TAGS = ("script", "style", "noscript", "template", "iframe", "frame", "frameset", "object", "embed", "svg",
+              "canvas")
 _CONTROL = set(range(0, 9)) | {11, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31}
 _PUNCT = str.maketrans("", "", string.punctuation)
 _EN_SENTENCE = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 _ZH_SENTENCE = re.compile(r"[。！？]")
 _CJK = re.compile(r"[\u4e00-\u9fa5]")
 _PROTOCOL_TAG = re.compile(r"<(\s*/?\s*(?:result|answer|search|python|think|tool_call|tool_response)\b)", re.I)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ExtractError(ValueError):
@@ -34,6 +48,25 @@ class ExtractError(ValueError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class Overrun(BaseException):  # noqa: N818 - a signal, not an error; BaseException so `except Exception` misses it
+    """A soft time limit ran out (raised from SIGALRM in the main thread)."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise `Overrun` in this (main) thread after `seconds` of wall-clock time."""
+    def _raise(_signum: int, _frame: object) -> None:
+        raise Overrun
+
+    previous = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def looks_binary(data: bytes) -> bool:
@@ -46,36 +79,95 @@ def looks_binary(data: bytes) -> bool:
     return sum(b in _CONTROL for b in head) > 0.05 * len(head)
 
 
+def valid_text(text: str) -> str:
+    """Lone surrogates (not encodable as UTF-8) replaced by U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _known_charset(charset: str | None) -> str | None:
+    try:
+        return codecs.lookup(charset).name if charset else None
+    except LookupError:  # an unknown charset name in the header: let the parser detect it
+        return None
+
+
+def _parse_html(data: bytes, charset: str | None):  # noqa: ANN202 - an lxml element
+    from lxml import etree, html
+
+    for encoding in dict.fromkeys((_known_charset(charset), None)):
+        parser = html.HTMLParser(encoding=encoding, remove_comments=True, remove_pis=True, no_network=True)
+        try:
+            return html.document_fromstring(data, parser=parser)
+        except etree.ParserError:  # "Document is empty": nothing but markup or whitespace
+            return None
+        except (LookupError, ValueError, etree.LxmlError) as err:  # an encoding libxml2 does not know, ...
+            if any(entry.type_name == "ERR_NO_MEMORY" for entry in getattr(err, "error_log", ())):
+                raise MemoryError("libxml2 ran out of memory") from None  # the worker's limit, not bad HTML
+            last = err
+    raise ExtractError("unparsable", f"HTML could not be parsed: {type(last).__name__}")
+
+
 def html_to_text(data: bytes, charset: str | None, max_chars: int) -> str:
     """Visible text of an HTML (or plain text) body, whitespace squeezed, first `max_chars` characters."""
-    from bs4 import BeautifulSoup
+    from lxml import etree
 
     if looks_binary(data):
         raise ExtractError("binary", "the body is binary data, not text")
-    try:
-        soup = BeautifulSoup(data, "html.parser", from_encoding=charset or None)
-    except Exception as err:  # noqa: BLE001 - a parser failure on hostile input is a page failure, not a crash
-        raise ExtractError("unparsable", f"HTML could not be parsed: {type(err).__name__}") from err
-    for tag in soup(list(_DROP_TAGS)):
-        tag.decompose()
-    text = soup.get_text(separator=" ", strip=True)
-    return " ".join(text.split())[:max_chars]
+    root = _parse_html(data, charset) if data.strip() else None
+    if root is None:
+        return ""
+    etree.strip_elements(root, *_DROP_TAGS, with_tail=False)
+    parts, size = [], 0
+    for piece in root.itertext():
+        words = piece.split()
+        if words:
+            parts.append(" ".join(words))
+            size += len(parts[-1]) + 1
+            if size > max_chars:
+                break
+    return valid_text(" ".join(parts)[:max_chars])
 
 
-def pdf_to_text(data: bytes, max_pages: int, max_words: int) -> str:
-    """Text of a PDF's first `max_pages` pages, first `max_words` words."""
+def pdf_to_text(data: bytes, max_pages: int, max_words: int, deadline: float | None = None,
+                page_timeout_s: float = 0.0) -> str:
+    """Text of a PDF's first `max_pages` pages, first `max_words` words. With a `deadline` (time.monotonic()) the
+    document must be read by then (else `Overrun`) and a page that takes over `page_timeout_s` is skipped (main
+    thread only: signals)."""
     from pypdf import PdfReader
 
+    def bounded(seconds: float):  # noqa: ANN202 - a context manager
+        if deadline is None:
+            return _no_limit()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Overrun
+        return time_limit(min(seconds, left))
+
+    words: list[str] = []
     try:
-        reader = PdfReader(io.BytesIO(data))
-        words: list[str] = []
-        for page in reader.pages[:max_pages]:
-            words += (page.extract_text() or "").split()
+        with bounded(float("inf")):
+            reader = PdfReader(io.BytesIO(data))
+            pages = reader.pages[:max_pages]
+        for page in pages:
+            try:
+                with bounded(page_timeout_s or float("inf")):
+                    words += (page.extract_text() or "").split()
+            except Overrun:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                continue  # this page alone was too slow: the others may still be read
             if len(words) >= max_words:
                 break
+    except MemoryError:
+        raise
     except Exception as err:  # noqa: BLE001 - pypdf raises many types on broken files
         raise ExtractError("bad_pdf", f"the PDF could not be read: {type(err).__name__}: {str(err)[:120]}") from err
-    return " ".join(words[:max_words])
+    return valid_text(" ".join(words[:max_words]))
+
+
+@contextmanager
+def _no_limit() -> Iterator[None]:
+    yield
 
 
 def defang(text: str) -> str:

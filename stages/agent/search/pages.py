@@ -1,12 +1,15 @@
 """Fetch result pages: `PageFetcher(cfg, cache_root).fetch_many(urls) -> list[Page]` (docs/agent.md, "Browsing").
 
-Live mode, per page, within `timeout_s` of wall-clock time in all: the URL must be http(s) and, unless
-`allow_private_addresses`, resolve to public addresses only; the host's robots.txt is read once (when
-`respect_robots`); the request waits for the per-host and the overall rate limiter; redirects are followed by hand,
-at most `max_redirects`, each hop checked like the first; the body is streamed and read up to `max_bytes` (an HTML
-body past it is cut, a PDF past it fails; other types fail unread). Nothing in a page is executed: HTML is parsed for
-its text only (stages/agent/search/extract.py). With `reader: jina` the Jina Reader fetches the page instead and its
-text is taken as it is, under the same limits (stages/agent/search/reader.py).
+Live mode, per page, within `timeout_s` of wall-clock time in all (DNS, robots.txt, every hop, headers, body and
+extraction; stages/agent/search/wire.py enforces it on the sockets however the server drips or stalls): the URL
+must be http(s) (its userinfo is stripped, never sent); the host's robots.txt is read once (when `respect_robots`);
+the request waits for the per-host and the overall rate limiter; each hop's host is resolved once and, unless
+`allow_private_addresses`, every address must be public, and the request goes to that address (no second lookup:
+no DNS rebinding); redirects are followed by hand, at most `max_redirects`, each hop checked like the first; the
+body is streamed and read up to `max_bytes` on the wire and decoded (an HTML body past it is cut, a PDF past it
+fails; other types fail unread). Nothing in a page is executed: its text is extracted in a bounded worker process
+(stages/agent/search/extract_worker.py: a time and a memory limit per page). With `reader: jina` the Jina Reader
+fetches the page instead and its text is taken as it is, under the same limits (stages/agent/search/reader.py).
 
 Rate limits are shared like web search's (stages/core/ratelimit.py): one `requests_per_second` for every process
 and thread whose fetcher has the same cache root (`<cache_root>/rate-limits/pages.slot`, e.g. all agent-loop
@@ -27,27 +30,39 @@ import hashlib
 import ipaddress
 import json
 import re
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Self
-from urllib.parse import urljoin, urlsplit
 from urllib.robotparser import RobotFileParser
 
 import httpx
 
-from stages.agent.search.extract import ExtractError, html_to_text, pdf_to_text
+from stages.agent.search.extract import ExtractError
+from stages.agent.search.extract_worker import Extractor
 from stages.agent.search.reader import READER_VERSION, jina_key, jina_request, reader_text
+from stages.agent.search.wire import (
+    ACCEPT_ENCODING,
+    Deadline,
+    PageFailure,
+    Resolver,
+    join_location,
+    open_response,
+    parse_url,
+    read_body,
+    refuse_private,
+    resolve_host,
+)
 from stages.core.atomic import write_json
 from stages.core.config.browse import BrowseSection
 from stages.core.log import get_logger
 from stages.core.ratelimit import SharedRateLimiter
 from stages.core.store import SQLiteStore, store_key
 
-EXTRACT_VERSION = "bs4-pypdf-1"  # bump when extraction changes what a cached page holds
+__all__ = ["Page", "PageCache", "PageFailure", "PageFetcher", "check_address", "export_page_cache"]
+EXTRACT_VERSION = "lxml-pypdf-2"  # bump when extraction changes what a cached page holds
 ROBOTS_MAX_BYTES = 512_000
 _TEXT_TYPES = ("text/html", "application/xhtml", "text/plain", "application/xml", "text/xml")
 log = get_logger(__name__)
@@ -62,12 +77,6 @@ class Page:
     error: str = ""
     transient: bool = False   # the network's fault (timeout, connection, 429/5xx): another try may succeed
     cached: bool = False
-
-
-class PageFailure(Exception):
-    def __init__(self, kind: str, message: str, transient: bool = False) -> None:
-        super().__init__(message)
-        self.kind, self.transient = kind, transient
 
 
 class PageCache(SQLiteStore):
@@ -97,24 +106,23 @@ def export_page_cache(cache_path: str | Path, out: str | Path) -> int:
 
 def check_address(host: str, allow_private: bool, resolve: bool = True) -> None:
     """Refuse hosts that resolve to loopback, private, link-local, multicast or reserved addresses (`resolve`
-    False: only address literals and localhost are checked, no DNS lookup)."""
+    False: only address literals and localhost are checked, no DNS lookup). A fetch pins the address it checked
+    instead (stages/agent/search/wire.py `Resolver`); this check is for a page the Jina Reader fetches."""
     if allow_private:
         return
+    host = host.strip("[]")
     try:
-        addresses = {ipaddress.ip_address(host.strip("[]"))}
+        addresses = [str(ipaddress.ip_address(host))]
     except ValueError:
         if not resolve:
             if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
                 raise PageFailure("blocked_address", f"{host} is this machine") from None
             return
         try:
-            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            addresses = resolve_host(host)
         except (OSError, UnicodeError) as err:
             raise PageFailure("dns", f"cannot resolve {host}: {err}", transient=True) from err
-        addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
-    for address in addresses:
-        if not address.is_global or address.is_multicast:
-            raise PageFailure("blocked_address", f"{host} resolves to a non-public address ({address})")
+    refuse_private(host, addresses)
 
 
 def rate_limit_path(cache_root: str | Path, host: str | None = None) -> Path:
@@ -133,7 +141,8 @@ def _status_failure(status: int) -> PageFailure:
 
 
 class PageFetcher:
-    def __init__(self, cfg: BrowseSection, cache_root: str | Path, client: httpx.Client | None = None) -> None:
+    def __init__(self, cfg: BrowseSection, cache_root: str | Path,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.cfg = cfg
         self._replay: dict[str, object] | None = None
         self.cache: PageCache | None = None
@@ -144,11 +153,16 @@ class PageFetcher:
             self.identity = f"pages-replay:{store_key(self._replay)[:16]}"
         elif cfg.cache:
             self.cache = PageCache(Path(cache_root) / "page_cache.sqlite")
-        headers = {"User-Agent": cfg.user_agent, "Referer": "https://www.google.com/",
-                   "Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,image/webp,*/*;q=0.8",
-                   "Accept-Language": "zh-CN,zh;q=0.9,en;q=0.5" if cfg.language == "zh" else "en-US,en;q=0.5"}
-        self.client = client or httpx.Client(headers=headers, follow_redirects=False, timeout=cfg.timeout_s,
-                                             limits=httpx.Limits(max_connections=2 * cfg.fetch_concurrency))
+        self.headers = {
+            "User-Agent": cfg.user_agent, "Referer": "https://www.google.com/", "Accept-Encoding": ACCEPT_ENCODING,
+            "Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,image/webp,*/*;q=0.8",
+            "Accept-Language": "zh-CN,zh;q=0.9,en;q=0.5" if cfg.language == "zh" else "en-US,en;q=0.5"}
+        # no keep-alive: a pooled connection to a pinned address must not carry another host's request
+        self.transport = transport or httpx.HTTPTransport(limits=httpx.Limits(
+            max_connections=2 * cfg.fetch_concurrency, max_keepalive_connections=0))
+        self.resolver = Resolver(cfg.allow_private_addresses, cfg.fetch_concurrency)
+        live_direct = self._replay is None and cfg.reader == "direct"
+        self.extractor = Extractor(cfg) if live_direct else None
         self.cache_root = Path(cache_root)
         self._limiter = None if self._replay is not None else \
             SharedRateLimiter(rate_limit_path(cache_root), cfg.requests_per_second)
@@ -188,7 +202,7 @@ class PageFetcher:
         return page
 
     # ---- live fetching ---------------------------------------------------------------------------------------
-    def _wait_turn(self, host: str, deadline: float) -> None:
+    def _wait_turn(self, host: str, deadline: Deadline) -> None:
         """Wait for this request's slot of the host's limit, then of the overall one (so the overall spacing holds
         for what is sent); a slot past the page's deadline fails now, as `rate_limited`."""
         with self._lock:
@@ -198,7 +212,7 @@ class PageFetcher:
             limiter = self._hosts[host]
         for which in (limiter, *([self._limiter] if self._limiter else [])):  # none overall: replay, never here
             wait = which.reserve() - time.time()
-            if wait > deadline - time.monotonic():
+            if wait > deadline.left():
                 raise PageFailure("rate_limited", f"the rate limit's next turn is {wait:.1f} s away, past the "
                                   f"page's {self.cfg.timeout_s:g} s limit", transient=True)
             if wait > 0:
@@ -206,106 +220,104 @@ class PageFetcher:
         with self._lock:
             self.requests += 1
 
-    def _check(self, url: str, deadline: float) -> None:
-        parts = urlsplit(url)  # a ValueError (e.g. "http://[::1") is a bad_url: see _fetch_live
-        if parts.scheme not in ("http", "https") or not parts.hostname or len(url) > 2048 \
-                or not url.isprintable() or any(c.isspace() for c in url):
-            raise PageFailure("bad_url", f"not a fetchable http(s) URL: {url[:200]!r}")
-        # the reader fetches the page itself: no DNS lookup here, but no private address is handed out either
-        check_address(parts.hostname, self.cfg.allow_private_addresses, resolve=self.cfg.reader == "direct")
-        if self.cfg.respect_robots and self.cfg.reader == "direct" and not self._robots_allow(url, deadline):
-            raise PageFailure("robots", f"robots.txt of {parts.hostname} disallows {url[:200]}")
-
-    def _robots_allow(self, url: str, deadline: float) -> bool:
-        parts = urlsplit(url)
-        origin = f"{parts.scheme}://{parts.netloc}"
+    def _robots_allow(self, url: httpx.URL, deadline: Deadline) -> bool:
+        origin = f"{url.scheme}://{url.netloc.decode('ascii')}"
         with self._lock:
             known = origin in self._robots
             parser = self._robots.get(origin)
         if not known:
-            parser = self._read_robots(origin, deadline)
+            parser = self._read_robots(url, deadline)
             with self._lock:
                 self._robots[origin] = parser
-        return parser is None or parser.can_fetch(self.cfg.user_agent, url)
+        return parser is None or parser.can_fetch(self.cfg.user_agent, str(url))
 
-    def _read_robots(self, origin: str, deadline: float) -> RobotFileParser | None:
+    def _read_robots(self, url: httpx.URL, deadline: Deadline) -> RobotFileParser | None:
         """The host's rules; None (everything allowed) when it has none (4xx, a redirect, not text)."""
-        self._wait_turn(urlsplit(origin).hostname or "", deadline)
+        self._wait_turn(url.host, deadline)
+        robots = url.copy_with(raw_path=b"/robots.txt")
         try:
-            with self.client.stream("GET", f"{origin}/robots.txt", timeout=_remaining(deadline)) as response:
+            with open_response(self.transport, robots, self.headers, deadline, self.resolver) as response:
                 if response.status_code == 429 or response.status_code >= 500:
                     raise PageFailure("robots_unreachable", f"robots.txt: HTTP {response.status_code}", True)
                 if response.status_code != 200:
                     return None
-                body = _read_body(response, ROBOTS_MAX_BYTES, deadline, cut=True)
+                body = read_body(response, ROBOTS_MAX_BYTES, deadline, cut=True)
         except httpx.HTTPError as err:
+            if deadline.expired:
+                raise
             raise PageFailure("robots_unreachable", f"robots.txt: {type(err).__name__}", True) from err
         parser = RobotFileParser()
         parser.parse(body.decode("utf-8", "replace").splitlines())
         return parser
 
     def _fetch_live(self, url: str) -> str:
-        deadline = time.monotonic() + self.cfg.timeout_s
+        deadline = Deadline(self.cfg.timeout_s)
         try:
-            return self._fetch_jina(url, deadline) if self.cfg.reader == "jina" else self._fetch_direct(url, deadline)
-        except (httpx.InvalidURL, ValueError, UnicodeError) as err:
-            raise PageFailure("bad_url", f"not a fetchable URL: {type(err).__name__}: {str(err)[:200]}") from err
+            target = parse_url(url)
+            if self.cfg.reader == "jina":
+                return self._fetch_jina(target, deadline)
+            return self._fetch_direct(target, deadline)
         except httpx.TimeoutException as err:
             raise PageFailure("timeout", f"no answer within {self.cfg.timeout_s:g} s", True) from err
         except httpx.HTTPError as err:
+            if deadline.expired:  # the deadline shut the socket down under a read
+                raise PageFailure("timeout", f"the page's {self.cfg.timeout_s:g} s limit ran out", True) from err
             raise PageFailure("connection", f"{type(err).__name__}: {str(err)[:200]}", True) from err
+        finally:
+            deadline.close()
 
-    def _fetch_direct(self, url: str, deadline: float) -> str:
+    def _fetch_direct(self, url: httpx.URL, deadline: Deadline) -> str:
         for _hop in range(self.cfg.max_redirects + 1):
-            self._check(url, deadline)
-            self._wait_turn(urlsplit(url).hostname or "", deadline)
-            with self.client.stream("GET", url, timeout=_remaining(deadline)) as response:
+            if self.cfg.respect_robots and not self._robots_allow(url, deadline):
+                raise PageFailure("robots", f"robots.txt of {url.host} disallows {str(url)[:200]}")
+            self._wait_turn(url.host, deadline)
+            with open_response(self.transport, url, self.headers, deadline, self.resolver) as response:
                 location = response.headers.get("location")
                 if response.is_redirect and location:
-                    url = urljoin(url, location)
+                    url = join_location(url, location)
                     continue
                 if response.status_code >= 400:
                     raise _status_failure(response.status_code)
-                return self._read_text(response, deadline)
+                return self._read_text(response, url, deadline)
         raise PageFailure("too_many_redirects", f"more than {self.cfg.max_redirects} redirects")
 
-    def _fetch_jina(self, url: str, deadline: float) -> str:
+    def _fetch_jina(self, url: httpx.URL, deadline: Deadline) -> str:
         """The page through the Jina Reader: one request, no redirect followed; a refused key is the network's
-        fault for the page (transient: never served from the cache once the key is fixed)."""
-        self._check(url, deadline)
-        self._wait_turn(urlsplit(url).hostname or "", deadline)
-        target, headers = jina_request(self.cfg, url, self._jina_key)
-        with self.client.stream("GET", target, headers=headers, timeout=_remaining(deadline)) as response:
+        fault for the page (transient: never served from the cache once the key is fixed). The page's host is
+        checked without a lookup (the reader resolves it); the reader itself is configuration, not pinned."""
+        check_address(url.host, self.cfg.allow_private_addresses, resolve=False)
+        self._wait_turn(url.host, deadline)
+        target, headers = jina_request(self.cfg, str(url), self._jina_key)
+        with open_response(self.transport, parse_url(target), {**self.headers, **headers}, deadline,
+                           None) as response:
             if response.status_code in (401, 403):
                 raise PageFailure("reader_refused", f"the Jina Reader refused the request (HTTP "
                                   f"{response.status_code}); check the key in {self.cfg.jina_api_key_env}", True)
             if response.status_code >= 300:
                 raise _status_failure(response.status_code)
-            body = _read_body(response, self.cfg.max_bytes, deadline, cut=True)
+            body = read_body(response, self.cfg.max_bytes, deadline, cut=True)
             charset = response.charset_encoding
         try:
             return reader_text(body, charset, self.cfg.max_text_chars)
         except ExtractError as err:
             raise PageFailure(err.kind, str(err)) from err
 
-    def _read_text(self, response: httpx.Response, deadline: float) -> str:
+    def _read_text(self, response: httpx.Response, url: httpx.URL, deadline: Deadline) -> str:
         ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()
         is_pdf = ctype == "application/pdf" or (ctype in ("", "application/octet-stream")
-                                                and urlsplit(str(response.url)).path.lower().endswith(".pdf"))
+                                                and url.path.lower().endswith(".pdf"))
         if not is_pdf and ctype and not ctype.startswith(_TEXT_TYPES):
             raise PageFailure("unsupported_type", f"content type {ctype!r} is not a page")
-        try:
-            if is_pdf:
-                return pdf_to_text(_read_body(response, self.cfg.max_bytes, deadline, cut=False),
-                                   self.cfg.pdf_max_pages, self.cfg.pdf_max_words)
-            body = _read_body(response, self.cfg.max_bytes, deadline, cut=True)
-            return html_to_text(body, response.charset_encoding, self.cfg.max_text_chars)
-        except ExtractError as err:
-            raise PageFailure(err.kind, str(err)) from err
+        body = read_body(response, self.cfg.max_bytes, deadline, cut=not is_pdf)
+        assert self.extractor is not None  # live and direct
+        return self.extractor.extract("pdf" if is_pdf else "html", body, response.charset_encoding, deadline)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.client.close()
+        self.transport.close()
+        self.resolver.close()
+        if self.extractor is not None:
+            self.extractor.close()
         if self.cache is not None:
             self.cache.close()
 
@@ -314,30 +326,6 @@ class PageFetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise PageFailure("timeout", "the page's time limit ran out", True)
-    return left
-
-
-def _read_body(response: httpx.Response, max_bytes: int, deadline: float, cut: bool) -> bytes:
-    """Up to `max_bytes` of the body, streamed; past it: cut there (`cut`) or fail. Past the deadline: fail."""
-    declared = response.headers.get("content-length", "")
-    if not cut and declared.isdigit() and int(declared) > max_bytes:
-        raise PageFailure("too_large", f"{declared} bytes declared, over the {max_bytes}-byte cap")
-    chunks, size = [], 0
-    for chunk in response.iter_bytes():  # as the bytes arrive: a slow drip meets the deadline check
-        _remaining(deadline)
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= max_bytes:
-            if not cut:
-                raise PageFailure("too_large", f"more than {max_bytes} bytes")
-            break
-    return b"".join(chunks)[:max_bytes]
 
 
 def _load_replay(path: str | None) -> dict[str, object]:

@@ -31,10 +31,21 @@ class BrowseSection(Section):
         json_schema_extra={**used_when(mode="replay"), **input_file("json_object")})
     top_k: int = Field(10, ge=1, description="search results whose pages are read (reference: 10)")
     fetch_concurrency: int = Field(10, ge=1, description="pages fetched at once (reference: 10 workers)")
-    timeout_s: float = Field(20.0, gt=0, description="wall-clock limit per page, redirects and body included "
+    timeout_s: float = Field(20.0, gt=0, description="wall-clock limit per page, in all: DNS, robots.txt, every "
+                             "redirect hop, headers, body and extraction, however the server drips or stalls "
                              "(reference: 20 s per request)")
-    max_bytes: int = Field(5_000_000, ge=1024, description="body bytes read per page; HTML past it is cut, a PDF "
-                           "past it fails (the reference reads any size)")
+    max_bytes: int = Field(5_000_000, ge=1024, description="body bytes per page, counted both on the wire and "
+                           "decoded (gzip/deflate inflated as it is read); HTML past it is cut, a PDF past it fails "
+                           "(the reference reads any size)")
+    extract_timeout_s: float = Field(10.0, gt=0, description="time one page's text extraction (HTML parse, PDF) "
+                                     "may take, within the page's timeout_s; past it (+1 s) its worker process is "
+                                     "killed and replaced and the page fails as extract_timeout")
+    extract_memory_mb: int = Field(1024, ge=256, description="address-space limit (RLIMIT_AS) of an extraction "
+                                   "worker process; a page that needs more fails as extract_memory")
+    extract_workers: int = Field(4, ge=1, description="extraction worker processes per page fetcher (a page "
+                                 "waits for a free one within its own time limit)")
+    pdf_page_timeout_s: float = Field(2.0, gt=0, description="time one PDF page's text may take; a slower page "
+                                      "is skipped (the document as a whole is bounded by extract_timeout_s)")
     max_redirects: int = Field(5, ge=0, description="redirect hops followed per page, each checked like the first")
     max_text_chars: int = Field(20_000, ge=100, description="extracted HTML text kept per page (reference: 20000)")
     pdf_max_words: int = Field(600, ge=1, description="words kept of a PDF's text (reference: 600)")
