@@ -17,7 +17,10 @@ a bug of ours is not the policy's fault). `metrics()` counts the infra ones as `
 
 Whatever text the model wrote, `execute` returns a ToolResult and never raises: lone surrogates (which JSON
 decoders produce from `"\\ud800"`) become U+FFFD before any tool sees the argument, and an unexpected failure of
-a tool comes back as a tool error (logged with its traceback, counted as `internal_errors`).
+a tool comes back as a tool error (logged with its traceback, counted as `internal_errors`). Whatever a tool
+returns, its text and meta leave `execute` as valid Unicode too (lone surrogates, the only code points UTF-8
+cannot encode, become U+FFFD; a fetched PDF can produce them): no tool result can break the next model request,
+whose client encodes it as UTF-8 JSON.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from stages.agent.cache import ToolCache
 from stages.agent.prompt_templates import template_tools
@@ -56,6 +59,17 @@ def corpus_path(agent: AgentSection, data: DatasetRef | None) -> str | None:
 def valid_text(text: str) -> str:
     """`text` as valid Unicode: each lone surrogate (not encodable as UTF-8) becomes U+FFFD."""
     return _SURROGATE.sub("\ufffd", text)
+
+
+def valid_value(value: Any) -> Any:
+    """`value` with every string in it (dict keys, list items, nested) made valid Unicode (`valid_text`)."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, dict):
+        return {valid_value(k): valid_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [valid_value(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -162,6 +176,7 @@ class ToolBox:
                 result = ToolResult(call.tool, TOOL_FAILED.format(tool=call.tool, error=type(err).__name__), False,
                                     time.monotonic() - start, False, {"error": repr(err), "internal_error": True},
                                     INFRA)
+        result = replace(result, text=valid_text(result.text), meta=valid_value(result.meta))  # the boundary
         self._record(result)
         return result
 
