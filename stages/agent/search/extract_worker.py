@@ -6,10 +6,11 @@ nested elements, a PDF whose pages share one costly content stream), partly in C
     extractor = Extractor(cfg)                            # cfg: BrowseSection; a worker starts warming up now
     text = extractor.extract("html", body, charset, deadline)   # or "pdf"; a PageFailure when over a limit
 
-Per page: the worker gets `min(extract_timeout_s, the page's time left)`. Inside it that is a soft limit
+Per page: the worker gets `extract_timeout_s`, within the page's time left. Inside it that is a soft limit
 (SIGALRM on the worker's main thread: the page fails as `extract_timeout`, the worker stays) and each PDF page
-gets at most `pdf_page_timeout_s` (a slower page is skipped); `KILL_GRACE_S` past it the worker is killed and
-replaced (`extract_timeout` too). Each worker's address space is capped at `extract_memory_mb` (RLIMIT_AS): a page
+gets at most `pdf_page_timeout_s` (a slower page is skipped); `KILL_GRACE_S` past it (C code holds the GIL and
+no signal is seen) the worker is killed and replaced (`extract_timeout` too); the kill comes by the page's
+deadline at the latest. Each worker's address space is capped at `extract_memory_mb` (RLIMIT_AS): a page
 that needs more fails as `extract_memory` and the worker is replaced. Up to `extract_workers` workers per fetcher;
 a page waits for a free one only within its own time limit (else a transient `timeout`).
 """
@@ -44,16 +45,18 @@ class Extractor:
 
     def extract(self, kind: str, body: bytes, charset: str | None, deadline: Deadline) -> str:
         """The text of an `html` or `pdf` body within the page's deadline and the extraction limits."""
-        soft_s = min(self.cfg.extract_timeout_s, deadline.remaining())
+        # the kill lands by the page's deadline: its limit holds in all, extraction included
+        hard_s = min(self.cfg.extract_timeout_s + KILL_GRACE_S, deadline.remaining())
+        soft_s = max(hard_s - KILL_GRACE_S, hard_s / 2)
         message = {"kind": kind, "charset": charset, "soft_s": soft_s, "max_chars": self.cfg.max_text_chars,
                    "pdf_max_pages": self.cfg.pdf_max_pages, "pdf_max_words": self.cfg.pdf_max_words,
                    "pdf_page_timeout_s": self.cfg.pdf_page_timeout_s}
         try:
-            reply = self._pool.request(message, body, soft_s + KILL_GRACE_S, wait_s=soft_s)
+            reply = self._pool.request(message, body, hard_s, wait_s=soft_s)
         except WorkerLost as lost:
             if lost.overran:
-                raise PageFailure("extract_timeout", f"extraction overran {soft_s:.3g} s + {KILL_GRACE_S:g} s "
-                                  "grace: its worker was killed") from None
+                raise PageFailure("extract_timeout", f"extraction overran {hard_s:.3g} s: its worker was "
+                                  "killed") from None
             raise PageFailure("extract_failed", f"the extraction worker died on this page ({lost}, exit code "
                               f"{lost.returncode})") from None
         if reply is None:
