@@ -115,9 +115,13 @@ class Node:
         return out
 
     def delta(self, piece: Piece) -> float | None:
-        """dH of a generated segment against the trajectory's baseline (None: it is the baseline, or none yet)."""
+        """dH of a generated segment against the trajectory's baseline; None when it is the baseline (a root's
+        first segment; a copy's first own one that set its baseline, the reference window) or there is none."""
         h0 = self.tree.get("h_initial")
-        if piece.h is None or h0 is None or (piece.start == 0 and self.parent_id is None):
+        if piece.h is None or h0 is None:
+            return None
+        first = next((p for p in self.pieces() if p.kind == "model"), None)
+        if first is not None and first.start == piece.start and (self.parent_id is None or piece.h == float(h0)):
             return None
         return piece.h - float(h0)
 

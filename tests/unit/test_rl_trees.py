@@ -279,3 +279,19 @@ def test_a_bad_dump_never_stops_the_run(tmp_path):
     write_jsonl(tmp_path / "rollouts" / "step_1.jsonl", [{"group": 0}])      # no traj_id
     publish_trees(cfg_, tmp_path)                                             # logged, not raised
     assert not page_path(tmp_path, 1).exists()
+
+
+def test_a_copy_whose_first_segment_sets_its_baseline_says_so(tmp_path):
+    # reference window: a copy forked after call 1 (token 26) measures its baseline on its own first segment
+    # [26, 44) (H = 18 x 0.1 = 1.8), so that line reads "(baseline)", not "dH +0.000"
+    from stages.agent.rewards import Reward
+    from stages.core.atomic import read_jsonl
+    from stages.rl.step_metrics import dump_rollouts
+
+    batch, tok = arpo_batch()
+    rewards = [Reward(0.0, False, "test", None, 0.0) for _ in batch.trajectories]
+    dump_rollouts(tmp_path / "d.jsonl", 1, batch, rewards, tok, [0.0] * len(batch.trajectories))
+    text = render_group(build_trees(read_jsonl(tmp_path / "d.jsonl"))[0])
+    copy = next(t for t in batch.groups[0].trajectories if t.kind == "branch" and t.fork_at == 26)
+    assert f"#{copy.traj_id} branch of #{copy.parent_id} @26 after call 1" in text
+    assert "[26,44) H 1.800 (baseline) → search #2 ok [44,52)" in text
