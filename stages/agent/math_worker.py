@@ -74,7 +74,6 @@ class MathWorkerPool:
             return False, why
         except WorkerStartError as err:
             raise MathWorkerError(str(err)) from None
-        assert reply is not None  # no wait limit: a worker is always found
         return bool(reply.get("equal")), reply.get("error")
 
     def close(self) -> None:

@@ -72,10 +72,10 @@ class Worker:
                     f"{self.proc.returncode}); its stderr above says why. {start_hint}")
             self.ready = True
         line = json.dumps({**message, "limit_s": limit_s, "payload_bytes": len(payload)}).encode() + b"\n"
-        data = memoryview(line + payload)
         try:
-            while data:  # an idle worker is blocked reading its stdin: it takes all of it
-                data = data[os.write(self.proc.stdin.fileno(), data):]
+            for data in (memoryview(line), memoryview(payload)):  # no copy of a large payload
+                while data:  # an idle worker is blocked reading its stdin: it takes all of it
+                    data = data[os.write(self.proc.stdin.fileno(), data):]
         except OSError as err:
             self.kill()
             raise WorkerLost(f"the worker died before the request was sent ({err})", self.proc.returncode,
@@ -134,13 +134,15 @@ class WorkerPool:
         self._free = threading.Condition()
         self.restarts = 0
 
-    def request(self, message: dict[str, Any], payload: bytes, limit_s: float,
-                wait_s: float | None = None) -> dict[str, Any] | None:
-        """The reply of an idle worker within `limit_s`; WorkerLost past it (worker replaced). None when no
-        worker was free within `wait_s` (None: wait as long as it takes)."""
-        worker = self._acquire(wait_s)
-        if worker is None:
-            return None
+    def request(self, message: dict[str, Any], payload: bytes, limit_s: float) -> dict[str, Any]:
+        """The reply of an idle worker (waiting for one as long as it takes) within `limit_s`; WorkerLost past
+        it (the worker replaced)."""
+        worker = self.acquire(None)
+        assert worker is not None  # no wait limit
+        return self.run(worker, message, payload, limit_s)
+
+    def run(self, worker: Worker, message: dict[str, Any], payload: bytes, limit_s: float) -> dict[str, Any]:
+        """`request` on a worker from `acquire`, which it gives back (or replaces)."""
         try:
             reply = worker.ask(message, payload, limit_s, self.name, self.start_hint)
         except WorkerLost:
@@ -165,7 +167,12 @@ class WorkerPool:
                 self._all.add(worker)
                 self._idle.append(worker)
 
-    def _acquire(self, wait_s: float | None) -> Worker | None:
+    def release(self, worker: Worker) -> None:
+        """Give back a worker from `acquire` that was not `run`."""
+        self._release(worker)
+
+    def acquire(self, wait_s: float | None) -> Worker | None:
+        """An idle worker (started if there is room); None when none was free within `wait_s` (None: no limit)."""
         until = None if wait_s is None else time.monotonic() + wait_s
         with self._free:
             while not self._idle and len(self._all) >= self.max_workers:

@@ -45,22 +45,27 @@ class Extractor:
 
     def extract(self, kind: str, body: bytes, charset: str | None, deadline: Deadline) -> str:
         """The text of an `html` or `pdf` body within the page's deadline and the extraction limits."""
+        worker = self._pool.acquire(wait_s=deadline.remaining())
+        if worker is None:
+            raise PageFailure("timeout", "no extraction worker was free within the page's time limit", True)
+        left = deadline.left()
+        if left <= 0:
+            self._pool.release(worker)
+            raise PageFailure("timeout", f"the page's {deadline.seconds:g} s limit ran out before extraction", True)
         # the kill lands by the page's deadline: its limit holds in all, extraction included
-        hard_s = min(self.cfg.extract_timeout_s + KILL_GRACE_S, deadline.remaining())
+        hard_s = min(self.cfg.extract_timeout_s + KILL_GRACE_S, left)
         soft_s = max(hard_s - KILL_GRACE_S, hard_s / 2)
         message = {"kind": kind, "charset": charset, "soft_s": soft_s, "max_chars": self.cfg.max_text_chars,
                    "pdf_max_pages": self.cfg.pdf_max_pages, "pdf_max_words": self.cfg.pdf_max_words,
                    "pdf_page_timeout_s": self.cfg.pdf_page_timeout_s}
         try:
-            reply = self._pool.request(message, body, hard_s, wait_s=soft_s)
+            reply = self._pool.run(worker, message, body, hard_s)
         except WorkerLost as lost:
             if lost.overran:
                 raise PageFailure("extract_timeout", f"extraction overran {hard_s:.3g} s: its worker was "
                                   "killed") from None
             raise PageFailure("extract_failed", f"the extraction worker died on this page ({lost}, exit code "
                               f"{lost.returncode})") from None
-        if reply is None:
-            raise PageFailure("timeout", "no extraction worker was free within the page's time limit", True)
         if "error" in reply:
             raise PageFailure(str(reply.get("kind", "extract_failed")), str(reply["error"]))
         return str(reply["text"])

@@ -70,8 +70,10 @@ class Deadline:
     def trace(self, name: str, info: dict[str, Any]) -> None:
         if not name.endswith("connect_tcp.complete"):
             return
-        sock = info["return_value"].get_extra_info("socket")
-        watched = sock.dup()
+        try:
+            watched = info["return_value"].get_extra_info("socket").dup()
+        except OSError as err:  # out of descriptors: a socket that cannot be watched is not used
+            raise PageFailure("connection", f"cannot watch the connection: {err}", True) from err
         with self._lock:
             self._sockets.append(watched)
             if self.expired:
