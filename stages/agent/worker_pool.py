@@ -132,6 +132,7 @@ class WorkerPool:
         self._idle: list[Worker] = []
         self._all: set[Worker] = set()
         self._free = threading.Condition()
+        self._pid = os.getpid()
         self.restarts = 0
 
     def request(self, message: dict[str, Any], payload: bytes, limit_s: float) -> dict[str, Any]:
@@ -175,6 +176,8 @@ class WorkerPool:
         """An idle worker (started if there is room); None when none was free within `wait_s` (None: no limit)."""
         until = None if wait_s is None else time.monotonic() + wait_s
         with self._free:
+            if self._pid != os.getpid():  # a forked child must not share its parent's pipes: it starts its own
+                self._pid, self._idle, self._all = os.getpid(), [], set()
             while not self._idle and len(self._all) >= self.max_workers:
                 left = None if until is None else until - time.monotonic()
                 if left is not None and left <= 0:

@@ -160,7 +160,7 @@ class PageFetcher:
         # no keep-alive: a pooled connection to a pinned address must not carry another host's request
         self.transport = transport or httpx.HTTPTransport(limits=httpx.Limits(
             max_connections=2 * cfg.fetch_concurrency, max_keepalive_connections=0))
-        self.resolver = Resolver(cfg.allow_private_addresses, cfg.fetch_concurrency)
+        self.resolver = Resolver(cfg.allow_private_addresses)
         live_direct = self._replay is None and cfg.reader == "direct"
         self.extractor = Extractor(cfg) if live_direct else None
         self.cache_root = Path(cache_root)
@@ -315,7 +315,6 @@ class PageFetcher:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.transport.close()
-        self.resolver.close()
         if self.extractor is not None:
             self.extractor.close()
         if self.cache is not None:

@@ -24,8 +24,6 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
@@ -121,12 +119,12 @@ def refuse_private(host: str, addresses: list[str]) -> None:
 
 
 class Resolver:
-    """Pins each request to the address its check passed. Lookups run on a small pool so a page waits for one at
-    most its time left (a stuck lookup ends on its own, at the system resolver's timeout)."""
+    """Pins each request to the address its check passed. A lookup runs on its own daemon thread so a page waits
+    for it at most its time left (a stuck lookup ends on its own, at the system resolver's timeout, and never
+    holds up the interpreter's exit)."""
 
-    def __init__(self, allow_private: bool, threads: int) -> None:
+    def __init__(self, allow_private: bool) -> None:
         self.allow_private = allow_private
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dns")
 
     def pin(self, host: str, deadline: Deadline) -> list[str]:
         """The checked addresses to connect to, in order (an address literal: itself)."""
@@ -135,20 +133,26 @@ class Resolver:
             refuse_private(host, addresses)
         return addresses
 
-    def _lookup(self, host: str, deadline: Deadline) -> list[str]:
-        future = self._pool.submit(resolve_host, host)
-        try:
-            addresses = future.result(timeout=deadline.remaining())
-        except FutureTimeout:
-            raise PageFailure("timeout", f"no DNS answer for {host} within the page's limit", True) from None
-        except (OSError, UnicodeError) as err:
-            raise PageFailure("dns", f"cannot resolve {host}: {err}", transient=True) from err
-        if not addresses:
+    @staticmethod
+    def _lookup(host: str, deadline: Deadline) -> list[str]:
+        answer: list[list[str] | BaseException] = []
+        thread = threading.Thread(target=_resolve_into, args=(host, answer), name="dns", daemon=True)
+        thread.start()
+        thread.join(deadline.remaining())
+        if not answer:
+            raise PageFailure("timeout", f"no DNS answer for {host} within the page's limit", True)
+        if isinstance(answer[0], BaseException):
+            raise PageFailure("dns", f"cannot resolve {host}: {answer[0]}", transient=True)
+        if not answer[0]:
             raise PageFailure("dns", f"no address for {host}", transient=True)
-        return addresses
+        return answer[0]
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+
+def _resolve_into(host: str, answer: list[list[str] | BaseException]) -> None:
+    try:
+        answer.append(resolve_host(host))
+    except (OSError, UnicodeError) as err:
+        answer.append(err)
 
 
 def _is_address(host: str) -> bool:
