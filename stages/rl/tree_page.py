@@ -5,7 +5,8 @@ Each group is drawn as lanes, one per trajectory, in tree order (a copy below it
 A lane shows the trajectory's own part: generated segments (blue bars), tool results (orange; red for an error,
 grey when rejected, purple for an infrastructure failure), tokens the environment appended (grey), and above the
 bar the entropy of its tokens along the way. A copy's lane starts where it forked; a line drops from the parent's
-lane at the fork point, whose marker tells the draw that made it (dH, the penalty counter c, P(branch), u).
+lane at the fork point (a black dot), whose marker tells the draw that made it (dH, the penalty counter c,
+P(branch), u).
 Draws that made no copy are hollow circles. The end of each lane tells the reward, advantage, finish reason and
 answer. A click on a bar opens its text (and the tool result) below the drawing; a click on a lane's label opens
 the whole trajectory.
@@ -36,7 +37,7 @@ svg{display:block;max-width:100%;height:auto} svg text{font:11px ui-monospace,mo
 [data-detail]{cursor:pointer} rect[data-detail]:hover,rect.open{stroke:#000;stroke-width:1.5}
 .lane-label:hover{text-decoration:underline}
 .ent{fill:none;stroke:#2a9d5c;stroke-width:1.2} .link{fill:none;stroke:#888;stroke-width:1.2}
-.fork{fill:#d04040;stroke:#fff} .nodraw{fill:#fff;stroke:#888} .axis{stroke:#ddd}
+.fork{fill:#111;stroke:#fff} .nodraw{fill:#fff;stroke:#888} .axis{stroke:#ddd}
 .detail,.traj{border-left:3px solid #4a7fd0;background:#f4f7fc;margin:6px 0;padding:4px 8px}
 .traj{border-color:#2a9d5c;background:#f3faf6}
 .detail pre,.traj pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:12px ui-monospace,monospace}
@@ -136,16 +137,21 @@ def node_svg(gi: int, n: Node, x, yn: float, y_of, h_max: float) -> list[str]:
 
 
 def entropy_svg(n: Node, x, yn: float, h_max: float) -> list[str]:
-    """The entropy curve of the node's own part (bins of model tokens), in the band above its bar."""
+    """The entropy curve of the node's own part (bins of model tokens), in the band above its bar; broken where a
+    bin holds tool-result tokens only (they have no entropy)."""
     ent = n.tree.get("entropy") or {}
     size, values = int(ent.get("bin") or 1), ent.get("h") or []
-    points = [(x(i * size + size / 2), yn + 2 - 14 * h / h_max) for i, h in enumerate(values)
-              if h is not None and (i + 1) * size > n.fork_at]
-    if len(points) < 2:
+    runs: list[list[str]] = [[]]
+    for i, h in enumerate(values):
+        if h is None or (i + 1) * size <= n.fork_at:
+            runs.append([])
+            continue
+        runs[-1].append(f"{x(i * size + size / 2):.1f},{yn + 2 - 14 * h / h_max:.1f}")
+    path = " ".join("M" + " L".join(run) for run in runs if len(run) >= 2)
+    if not path:
         return []
-    path = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
-    return [f'<polyline class="ent" points="{path}"><title>token entropy of #{n.traj_id} (bins of {size} tokens; '
-            f'highest in this group {h_max:.3f})</title></polyline>']
+    return [f'<path class="ent" d="{path}"><title>token entropy of #{n.traj_id} (bins of {size} tokens; highest in '
+            f'this group {h_max:.3f})</title></path>']
 
 
 def details_html(gi: int, g: TreeGroup) -> str:
@@ -172,7 +178,7 @@ def page_html(title: str, source: str, groups: list[TreeGroup], stats: dict[str,
     legend = "".join(f'<span class="{cls}" style="background:{color}"></span>{esc(name)}' for cls, color, name in (
         ("model", "#4a7fd0", "generated"), ("tool-ok", "#f0a030", "tool result"),
         ("tool-error", "#d04040", "tool error"), ("env", "#bbb", "appended by the environment"),
-        ("ent", "#2a9d5c", "token entropy"), ("fork", "#d04040", "fork (the draw that made the copy)")))
+        ("ent", "#2a9d5c", "token entropy"), ("fork", "#111", "fork (the draw that made the copy)")))
     sections = []
     for gi, g in enumerate(groups):
         sections.append(f'<section class="group" id="group-{gi}"><div class="gh">'
