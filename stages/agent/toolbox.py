@@ -101,13 +101,15 @@ class ToolBox:
     @classmethod
     def from_config(cls, cfg: AgentSection, corpus_path: str | None, cache_root: str,
                     tools: tuple[str, ...] | None = None, helper_url: str | None = None,
-                    helper_model: str | None = None) -> ToolBox:
-        """Build the tools the prompt template offers (or `tools`); `helper_*` name the debugger's LLM when
-        `agent.inference.llm_url/llm_model` are unset (e.g. the served policy)."""
+                    helper_model: str | None = None, inference_tools: bool = False) -> ToolBox:
+        """Build the tools the prompt template offers (or `tools`). `inference_tools`: the evaluation's toolbox,
+        with Tool-Star's inference-time tools that `agent.inference` turns on (the debugger; training's toolboxes
+        never have them); `helper_*` name the debugger's LLM when `agent.inference.llm_url/llm_model` are unset
+        (e.g. the served policy)."""
         wanted = template_tools(cfg.prompt_template) if tools is None else tools
         for name in (*wanted, *cfg.cache.tools):
             TOOLS.get(name)  # an unknown tool fails here, naming the registered ones
-        env = ToolEnv(corpus_path, str(cache_root), helper_url, helper_model)
+        env = ToolEnv(corpus_path, str(cache_root), helper_url, helper_model, inference_tools)
         built = {name: TOOLS.get(name)(cfg, env) for name in tool_names() if name in wanted}
         cache = None
         if cfg.cache.enabled:

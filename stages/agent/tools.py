@@ -80,6 +80,9 @@ class ToolEnv:
     cache_root: str = ".cache"
     helper_url: str | None = None      # the debugger's LLM when agent.inference.llm_url is unset (the policy)
     helper_model: str | None = None
+    # Tool-Star's inference-time tools are evaluation's (its run.py flags; its RL rollouts have none): only the eval
+    # stage's toolbox turns them on, the training ones (RL rollouts, DPO self-samples, the teacher) never do
+    inference_tools: bool = False
 
 
 class Tool:
@@ -225,7 +228,7 @@ class PythonTool(Tool):
         super().__init__(cfg, env)
         self.sandbox = PythonSandbox(cfg.python)
         self.debugger = None
-        if cfg.inference.debugger:
+        if cfg.inference.debugger and env.inference_tools:
             self.debugger = CodeDebugger(HelperLLM.from_config(cfg.inference, env.helper_url, env.helper_model))
         self._lock = threading.Lock()
 

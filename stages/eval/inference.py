@@ -210,7 +210,7 @@ async def _infer_all(cfg: EvalSection, agent: AgentSection, loaded: Any, model: 
         check_summarizer(evaluated.search)
         tokenizer = load_tokenizer(model)
         box = ToolBox.from_config(evaluated, corpus_path(agent, data), str(cache_root),
-                                  helper_url=endpoint.url, helper_model=endpoint.model)
+                                  helper_url=endpoint.url, helper_model=endpoint.model, inference_tools=True)
         client = async_client(endpoint, timeout_s=max(60.0, cfg.sample_timeout_s))
         settings = loop_settings(cfg, endpoint)
         gate = asyncio.Semaphore(cfg.concurrency)

@@ -160,7 +160,11 @@ def test_debugger_fixes_failing_code(corpus, tmp_path):
     log: list = []
     with serve_in_thread(fake_openai(lambda p: "```python\nprint(7 // 2)\n```", log)) as url:
         cfg = _config(inference={"debugger": True, "llm_url": f"{url}/v1", "llm_model": "helper"})
-        with ToolBox.from_config(cfg, str(corpus), str(tmp_path)) as debug_box:
+        # a training toolbox (RL rollouts, DPO self-samples) has no debugger, as Tool-Star's RL rollouts have none
+        with ToolBox.from_config(cfg, str(corpus), str(tmp_path)) as training_box:
+            plain = training_box.execute(ToolCall("python", "print(7 / undefined)"), training_box.new_state())
+            assert not plain.ok and "debug_attempted" not in plain.meta and log == []
+        with ToolBox.from_config(cfg, str(corpus), str(tmp_path), inference_tools=True) as debug_box:
             state = debug_box.new_state()
             fixed = debug_box.execute(ToolCall("python", "print(7 / undefined)"), state)
             assert fixed.ok and fixed.text == "3" and fixed.meta["debugged"] and state.scratch["python_debug"] == 1
