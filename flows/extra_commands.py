@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     trees.add_argument("--step", type=int, help="the dumped step to show (default: the newest)")
     trees.add_argument("--group", help="only this group (its id as printed)")
     trees.add_argument("--output-root", default="outputs", help="where run names are looked up (run.output_root)")
+    trees.add_argument("--html", metavar="DIR", help="also write every step's tree page into DIR")
     trees.set_defaults(handler=cmd_trees)
 
 
@@ -36,7 +37,7 @@ def cmd_retriever(args: argparse.Namespace) -> int:
 def cmd_trees(args: argparse.Namespace) -> int:
     from stages.rl.tree_report import trees_report
 
-    print(trees_report(args.run, args.step, args.group, args.output_root), end="")
+    print(trees_report(args.run, args.step, args.group, args.output_root, args.html), end="")
     return 0
 
 

@@ -158,14 +158,20 @@ def summary_table(stage: Path) -> str:
 
 
 def trees_report(target: str | Path, step: int | None = None, group: str | None = None,
-                 output_root: str | Path = "outputs") -> str:
+                 output_root: str | Path = "outputs", html: str | Path | None = None) -> str:
     """`arpo trees`: the per-step statistics, then the trees of one step (the newest by default) as text, every
-    group or one."""
+    group or one. `html`: also write every step's page into that folder (a finished stage folder is never written
+    to: for a run from before the pages, or a copy to share)."""
     stage = rl_stage(target, output_root)
     dumps = dump_files(stage / "rollouts")
     if not dumps:
         raise MissingInputError(f"{stage / 'rollouts'} holds no step_<k>.jsonl dump (rl.trainer.dump_rollouts off, or "
                                 "no step finished yet)")
+    written = []
+    for k, dump in dumps.items() if html is not None else ():
+        groups = read_step(dump)
+        written.append(write_page(Path(html) / f"step_{k:06d}.html", f"Rollout trees, step {k}", str(dump),
+                                  groups, step_stats(groups)))
     step = max(dumps) if step is None else step
     if step not in dumps:
         raise BadInputError(f"no dump of step {step} in {stage / 'rollouts'}; dumped steps: {sorted(dumps)}")
@@ -178,4 +184,6 @@ def trees_report(target: str | Path, step: int | None = None, group: str | None 
     parts = [f"RL stage {stage}", summary_table(stage), f"\nstep {step} ({dumps[step]}; page "
              f"{page_path(stage, step)})"]
     parts += [render_group(g) for g in groups]
+    if written:
+        parts.append("pages written:\n" + "\n".join(str(p) for p in written))
     return "\n\n".join(parts) + "\n"

@@ -264,8 +264,10 @@ def test_arpo_trees_resolves_runs_and_prints_the_step(tmp_path):
     assert "step 10 (" in text and "group g1" not in text               # the newest step by default
     summary = text.split("\n\n")[1].splitlines()
     assert [line.split()[0] for line in summary[1:]] == ["2", "10"]      # one line per step, in step order
-    one = trees_report(stage, step=2, group="g1")
+    one = trees_report(stage, step=2, group="g1", html=tmp_path / "pages")
     assert "group g1" in one and "group g0" not in one
+    assert sorted(p.name for p in (tmp_path / "pages").iterdir()) == ["step_000002.html", "step_000010.html"]
+    assert not (stage / "trees").exists()                                 # the stage folder is left alone
     with pytest.raises(BadInputError, match=r"no dump of step 3 .* dumped steps: \[2, 10\]"):
         trees_report(stage, step=3)
     with pytest.raises(BadInputError, match="has no group 'g9'"):
@@ -295,3 +297,18 @@ def test_a_copy_whose_first_segment_sets_its_baseline_says_so(tmp_path):
     copy = next(t for t in batch.groups[0].trajectories if t.kind == "branch" and t.fork_at == 26)
     assert f"#{copy.traj_id} branch of #{copy.parent_id} @26 after call 1" in text
     assert "[26,44) H 1.800 (baseline) → search #2 ok [44,52)" in text
+
+
+def test_the_probe_root_count_reaches_the_dump_and_the_text():
+    # AEPO's probe, reference window, summed (tests/unit/test_rl_rollout.py): H_root 18, H_tool 9 -> 4 roots
+    from tests.unit.test_rl_rollout import search_then_answer
+
+    section = cfg(n=4, initial_rollouts=1, dynamic_rollouts=True, branch_probability=1.0, branch_penalty=0.05,
+                  entropy_weight=0.0)
+    _, batch, _, _, tok = run(search_then_answer(1.0, 0.0), section, algorithm="aepo")
+    (g,) = batch.groups
+    info = trajectory_tree_fields(g.trajectories[0], g, tok)["tree"]["group"]
+    assert info == {"n": 4, "initial": 4, "branches": 0, "fresh": 0, "h_root": 18.0, "h_tool": 9.0}
+    rows = [{"group": 0, "traj_id": t.traj_id, "kind": t.kind, "length": len(t), "response": t.response_text,
+             **trajectory_tree_fields(t, g, tok)} for t in g.trajectories]
+    assert "· probe H_root 18.000 H_tool 9.000 → 4 roots" in render_group(build_trees(rows)[0]).splitlines()[0]
