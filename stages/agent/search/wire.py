@@ -35,6 +35,9 @@ MAX_URL_CHARS = 2048
 
 
 class PageFailure(Exception):
+    """Why a page could not be read: `kind` (timeout, too_large, bad_url, blocked_address, ...) and whether the
+    network is to blame (`transient`: worth another try)."""
+
     def __init__(self, kind: str, message: str, transient: bool = False) -> None:
         super().__init__(message)
         self.kind, self.transient = kind, transient
