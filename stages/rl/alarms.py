@@ -16,6 +16,11 @@ thresholds in `rl.alarms` (AlarmSection), and returns an `Alarm` for that step o
 - infra_failures: at least `infra_share` of the step's trajectories were touched by a tool infrastructure
   failure (the search provider, retrieval server or sandbox failed a call) and left out of the loss: the step
   trained on fewer samples than configured, and an outage may be under way (upstream ARPO issue #49).
+- sampler_drift: the rollout engine's log-probs of the tokens it sampled vs the trainer's
+  (`rollout/logp_mismatch`, per token) at `drift_ratio` x the first step's value or more, and above `drift_floor`; or
+  above `drift_max` at any step. The first step's sampler is loaded from the same files as the trainer, so its
+  mismatch is the numerical floor of the two engines; a later rise means the sampler is not the policy (a weight
+  refresh that skipped tensors: a tied LM head never reached vLLM before issue 37). In stop_on by default.
 - trees_dropped (verl engine): at least `trees_dropped_share` of the step's trees raised in the agent-loop worker
   and were dropped whole (`rollout/trees_dropped`); the message splits them into infrastructure failures
   (`rollout/trees_dropped_infra`: sandbox, search, server, network) and the rest (`rollout/trees_dropped_other`).
@@ -156,11 +161,26 @@ def trees_dropped(history: list[Row], rules: AlarmSection) -> str | None:
             f"LLM server, network), {dropped - infra:.0f} other (see verl.log for the tracebacks)")
 
 
+def sampler_drift(history: list[Row], rules: AlarmSection) -> str | None:
+    mismatch = _values(history, "rollout/logp_mismatch")
+    if not mismatch or not math.isfinite(mismatch[-1]):
+        return None
+    first, now = mismatch[0], mismatch[-1]
+    why = ("the rollout engine is not sampling from the policy being trained (a weight refresh that left tensors "
+           "behind, e.g. a tied LM head, or different weights loaded): the old log-probs and the samples are off-policy")
+    if now > rules.drift_max:
+        return f"sampler vs trainer log-prob mismatch {now:.3g} per token > drift_max {rules.drift_max:g}: {why}"
+    if len(mismatch) > 1 and now > rules.drift_floor and now >= rules.drift_ratio * first:
+        return (f"sampler vs trainer log-prob mismatch {now:.3g} per token, {now / first if first else math.inf:.3g}x "
+                f"the first step's {first:.3g} (>= {rules.drift_ratio:g}x and > {rules.drift_floor:g}): {why}")
+    return None
+
+
 CHECKS: dict[str, Callable[[list[Row], AlarmSection], str | None]] = {
     "tool_collapse": tool_collapse, "entropy_collapse": entropy_collapse,
     "format_errors_rising": format_errors_rising, "reward_at_floor": reward_at_floor,
     "no_signal_groups": no_signal_groups, "reward_collapse": reward_collapse, "nonfinite_loss": nonfinite_loss,
-    "infra_failures": infra_failures, "trees_dropped": trees_dropped}
+    "infra_failures": infra_failures, "trees_dropped": trees_dropped, "sampler_drift": sampler_drift}
 
 
 DEFAULT_RULES = AlarmSection()

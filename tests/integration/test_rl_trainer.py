@@ -104,6 +104,32 @@ def _spawn(args: dict, log: Path) -> subprocess.Popen:
                                 stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def test_a_stale_sampler_raises_the_drift_alarm_and_stops(tiny_model, synthetic_data, tmp_path, monkeypatch):
+    """A sampler that holds its own copy of the weights and never receives the update (what vLLM's refresh did to a
+    tied head before issue 37): step 1 samples from the same weights (mismatch ~0), step 2 from the step-0 weights
+    while the trainer has moved; sampler_drift fires and, in the default stop_on, ends the run before step 2 is
+    saved."""
+    import copy
+
+    import stages.generation.session as session
+    from stages.rl.alarms import AlarmStop
+
+    real = session.load_backend
+
+    def stale_backend(name, model, tokenizer, **opts):  # the trainer's weights as they are now, never refreshed
+        return real(name, copy.deepcopy(model).requires_grad_(False), tokenizer, **opts)
+
+    monkeypatch.setattr(session, "load_backend", stale_backend)
+    cfg = load_config("tiny-cpu", overrides=TINY + ["rl.trainer.total_steps=2", "rl.trainer.reward=test_vowels",
+                                                    "rl.optim.lr=1e-4", "rl.trainer.save_every=1"])
+    with pytest.raises(AlarmStop, match="step 2: alarm sampler_drift"):
+        RLTrainer(cfg.rl, cfg.agent, tiny_model, synthetic_data, tmp_path, CACHE, seed=0).train()
+    (alarm,) = read_jsonl(tmp_path / "alarms.jsonl")
+    assert alarm["name"] == "sampler_drift" and alarm["step"] == 2
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")  # step 2 was not saved
+    assert row["step"] == 1 and row["rollout/logp_mismatch"] < 1e-4
+
+
 def test_sigkill_after_first_checkpoint_then_resume(tiny_model, synthetic_data, tmp_path):
     args = {"overrides": TINY + ["rl.algorithm=arpo", "rl.trainer.total_steps=2", "rl.trainer.save_every=1"],
             "model": tiny_model.model_dump(), "data": synthetic_data.model_dump(), "out": str(tmp_path / "out"),

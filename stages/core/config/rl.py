@@ -119,7 +119,8 @@ class OptimSection(Section):
 
 
 AlarmName = Literal["tool_collapse", "entropy_collapse", "format_errors_rising", "reward_at_floor",
-                   "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures", "trees_dropped"]
+                   "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures", "trees_dropped",
+                   "sampler_drift"]
 
 
 class AlarmSection(Section):
@@ -128,8 +129,9 @@ class AlarmSection(Section):
 
     enabled: bool = True
     stop_on: tuple[AlarmName, ...] = Field(
-        ("nonfinite_loss",), description="alarms that stop the run (a non-retried error; the step is not saved); "
-        "[] = only warn")
+        ("nonfinite_loss", "sampler_drift"), description="alarms that stop the run (a non-retried error; the step "
+        "is not saved); [] = only warn. sampler_drift is in by default: a rollout engine that does not sample from "
+        "the policy makes every later step wrong, silently")
     tool_drop_ratio: float = Field(0.1, ge=0, description="tool_collapse: tool calls per trajectory below this "
                                    "fraction of their best earlier value, once that was >= tool_min_peak")
     tool_min_peak: float = Field(0.5, ge=0)
@@ -152,6 +154,14 @@ class AlarmSection(Section):
     trees_dropped_share: float = Field(0.1, ge=0, le=1, description="trees_dropped (verl engine): at least this "
                                        "share of a step's trees raised and were dropped whole (rollout/"
                                        "trees_dropped; the infra-caused ones counted apart)")
+    drift_ratio: float = Field(10.0, gt=1, description="sampler_drift: the rollout engine's vs the trainer's log-probs "
+                               "of the sampled tokens (rollout/logp_mismatch) at this multiple of the first step's "
+                               "value or more (the first step's sampler was loaded from the same files: its mismatch "
+                               "is the numerical floor) ...")
+    drift_floor: float = Field(1e-3, ge=0, description="... and above this (per token; fp32 on CPU measures ~1e-5, "
+                               "bf16 on GPU ~1e-2: docs/rl.md, The sampler is the policy)")
+    drift_max: float = Field(0.5, gt=0, description="sampler_drift at any step, the first included: the mismatch "
+                             "above this (the sampler and the trainer hold different models)")
 
 
 class TrainerSection(Section):
