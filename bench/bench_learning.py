@@ -51,7 +51,8 @@ VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
 STEP_KEYS = ("step", "reward/mean", "accuracy", "entropy/mean", "tools/calls_per_traj",
              "rollout/tool_calls_executed_per_traj", "rollout/branches_per_group", "rollout/fresh_per_group",
              "reward/groups_without_signal", "reward/format_error_rate", "advantage/mean_abs", "clip_fraction",
-             "ppo_kl", "grad_norm", "response/length", "finish/length", "timing/step_s", "timing/rollout_s",
+             "ppo_kl", "grad_norm", "rollout/logp_mismatch", "response/length", "finish/length", "timing/step_s",
+             "timing/rollout_s",
              "timing/old_logprob_s", "timing/update_s", "timing/step_cpu_s", "alarm")
 
 
@@ -62,7 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: learning.yaml)")
     parser.add_argument("--questions", type=int, default=80, help="held-out questions (test split)")
-    parser.add_argument("--samples", type=int, default=1, help="held-out samples per question")
+    parser.add_argument("--samples", type=int, default=1, help="held-out samples per question (RL policies)")
+    parser.add_argument("--sft-samples", type=int, default=4,
+                        help="held-out samples per question for the SFT policy: every run's gain is measured against "
+                             "it, so its sampling noise enters every gain alike")
+    parser.add_argument("--tag", default="", help="a variant of the experiment (with its -o overrides): its runs and "
+                        "report go to results/<family>@<tag>/, beside the untagged ones; data, SFT and the SFT "
+                        "baselines are shared, so a tag may change RL settings only (rl.optim, rl.advantage, ...)")
+    parser.add_argument("--no-sft-steps", action="store_true",
+                        help="skip the SFT policy's reward on every RL step's prompts (bench/learning_baseline.py)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="held-out sampling temperature: RL's own (1.0) by default; 0 = greedy")
     parser.add_argument("--backend", choices=["vllm", "transformers"], default="vllm" if VLLM_PYTHON.exists()
@@ -110,11 +119,11 @@ def load(args: argparse.Namespace, family: str, algo: str = "grpo"):
         os.unlink(handle.name)
 
 
-def heldout_spec(args: argparse.Namespace, cfg):
+def heldout_spec(args: argparse.Namespace, cfg, samples: int):
     from stages.core.config.eval import HeldoutSection
 
     ro = cfg.rl.rollout
-    return HeldoutSection(max_questions=args.questions, samples=args.samples, temperature=args.temperature,
+    return HeldoutSection(max_questions=args.questions, samples=samples, temperature=args.temperature,
                           max_response_length=ro.max_response_length, max_prompt_length=ro.max_prompt_length,
                           call_limit=ro.call_limit, reward=cfg.rl.trainer.reward, questions_per_batch=40,
                           backend=args.backend)
@@ -132,9 +141,12 @@ def prepare(cfg, root: Path):
     return model, data, run_sft(cfg.sft, cfg.agent, model, data, str(root), cache)
 
 
-def result_path(root: Path, job: str) -> Path:
+def result_path(root: Path, job: str, tag: str = "") -> Path:
+    """results/<family>[@<tag>]/<run>.json; the SFT policy's files are shared by every tag."""
     family, _, run = job.partition("/")
-    return root / "results" / family / f"{run.replace(':', '-s')}.json"
+    shared = run == "sft" or run.startswith("sftsteps:")
+    folder = family if shared or not tag else f"{family}@{tag}"
+    return root / "results" / folder / f"{run.replace(':', '-s')}.json"
 
 
 # ---- one run (a worker process) ------------------------------------------------------------------------------
@@ -150,13 +162,18 @@ def worker(args: argparse.Namespace, job: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the time limit: unwind so tools and caches close
     family, _, run = job.partition("/")
     algo, _, seed = run.partition(":")
-    cfg = load(args, family, "grpo" if run == "sft" else algo)
+    cfg = load(args, family, "grpo" if run == "sft" or algo == "sftsteps" else algo)
     _, data, sft = prepare(cfg, Path(args.root))
+    if algo == "sftsteps":
+        from bench.learning_baseline import sft_step_rewards
+
+        sft_step_rewards(cfg, sft, data, int(seed), result_path(Path(args.root), job))
+        return
     if run != "sft" and not args.eval_only:
         start = time.perf_counter()
         run_rl(cfg.rl, cfg.agent, sft, data, args.root, str(PROJECT_ROOT / ".cache"), seed=int(seed))
-        (Path(args.root) / "results" / family).mkdir(parents=True, exist_ok=True)
-        result_path(Path(args.root), job).with_suffix(".rl_s").write_text(str(time.perf_counter() - start))
+        result_path(Path(args.root), job, args.tag).parent.mkdir(parents=True, exist_ok=True)
+        result_path(Path(args.root), job, args.tag).with_suffix(".rl_s").write_text(str(time.perf_counter() - start))
     if args.backend == "vllm" and not args.eval_only:
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--eval-only"], check=True)
         return
@@ -181,11 +198,12 @@ def evaluate(args: argparse.Namespace, job: str, cfg, data, sft) -> None:
         dumps = [row for path in sorted((stage / "rollouts").glob("step_*.jsonl")) for row in read_jsonl(path)]
         signs = advantage_sign_agreement(dumps)
         alarms = read_jsonl(stage / "alarms.jsonl") if (stage / "alarms.jsonl").is_file() else []
-    scores = evaluate_heldout(heldout_spec(args, cfg), cfg.agent, policy, data, root, cache)
+    samples = args.sft_samples if run == "sft" else args.samples
+    scores = evaluate_heldout(heldout_spec(args, cfg, samples), cfg.agent, policy, data, root, cache)
     predictions = read_jsonl(Path(scores.path).with_name("predictions.jsonl"))
-    rl_s = result_path(root, job).with_suffix(".rl_s")
-    write_json(result_path(root, job), {
-        "job": job, "family": family, "algorithm": algo if run != "sft" else "sft",
+    rl_s = result_path(root, job, args.tag).with_suffix(".rl_s")
+    write_json(result_path(root, job, args.tag), {
+        "job": job, "tag": args.tag, "family": family, "algorithm": algo if run != "sft" else "sft",
         "seed": int(seed) if seed else None,
         "config": {"rl": cfg.rl.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json")},
         "steps": rows, "alarms": alarms, "heldout": scores.meta, "heldout_path": scores.path,
@@ -208,7 +226,8 @@ def run_pool(args: argparse.Namespace, jobs: list[str], root: Path) -> dict:
         while pending and len(running) < args.jobs:
             job = pending.pop(0)
             cmd = [args.python, __file__, *sys.argv[1:], "--worker", job]
-            log = open(root / "logs" / f"{job.replace('/', '-').replace(':', '-s')}.log", "a")  # noqa: SIM115
+            name = job.replace("/", "-").replace(":", "-s") + (f"@{args.tag}" if args.tag else "")
+            log = open(root / "logs" / f"{name}.log", "a")  # noqa: SIM115
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT),
                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
@@ -226,7 +245,8 @@ def run_pool(args: argparse.Namespace, jobs: list[str], root: Path) -> dict:
                 continue
             log.close()
             del running[job]
-            record = {"job": job, "wall_s": time.time() - started, "cpu_s": usage.ru_utime + usage.ru_stime,
+            record = {"job": job, "tag": args.tag, "wall_s": time.time() - started,
+                      "cpu_s": usage.ru_utime + usage.ru_stime,
                       "exit": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
                       "load_start": load0, "load_end": os.getloadavg()[0]}
             attempts[job].append(record)
@@ -270,24 +290,28 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root).resolve()
     args.root = str(root)
     root.mkdir(parents=True, exist_ok=True)
-    families = args.families.split(",")
+    families, seeds = args.families.split(","), args.seeds.split(",")
     start = time.time()
     sft_times = prepare_families(args, root, families)
     # seed-major: a bench cut short still has whole seeds of every family and algorithm
-    jobs = [f"{f}/sft" for f in families] + [f"{f}/{a}:{s}" for s in args.seeds.split(",") for f in families
+    jobs = [f"{f}/sft" for f in families] + [f"{f}/{a}:{s}" for s in seeds for f in families
                                              for a in args.algos.split(",")]
-    todo = [job for job in jobs if not result_path(root, job).is_file()]
+    baselines = [] if args.no_sft_steps else [f"{f}/sftsteps:{s}" for s in seeds for f in families]
+    done = [job for job in jobs + baselines if result_path(root, job, args.tag).is_file()]
+    todo = [job for job in jobs + baselines if job not in done]
     pool = run_pool(args, todo, root) if todo else {"attempts": {}, "mean_load": os.getloadavg()[0]}
-    missing = [job for job in jobs if not result_path(root, job).is_file()]
-    attempts = [json.loads(line) for line in (root / "attempts.jsonl").read_text().splitlines()] \
-        if (root / "attempts.jsonl").is_file() else []
+    missing = [job for job in jobs + baselines if not result_path(root, job, args.tag).is_file()]
+    attempts = [a for a in read_attempts(root) if a.get("tag", "") == args.tag]
     for family in families:
-        results = {job.partition("/")[2]: json.loads(result_path(root, job).read_text())
-                   for job in jobs if job.startswith(f"{family}/") and job not in missing}
+        ours = [job for job in jobs if job.startswith(f"{family}/") and job not in missing]
+        results = {job.partition("/")[2]: json.loads(result_path(root, job, args.tag).read_text()) for job in ours}
+        steps = [json.loads(result_path(root, job, args.tag).read_text()) for job in baselines
+                 if job.startswith(f"{family}/") and job not in missing]
         timing = {"sft": sft_times[family], "bench_wall_s": time.time() - start, "mean_load": pool["mean_load"],
                   "attempts": [{**a, "job": a["job"].partition("/")[2]} for a in attempts
                                if a["job"].startswith(f"{family}/")]}
-        png = report(results, timing, root, [m for m in missing if m.startswith(f"{family}/")], family)
+        png = report(results, timing, root, [m for m in missing if m.startswith(f"{family}/")], family,
+                     name=run_name(family, args.tag), baselines=steps)
         if args.png_dir and png:
             Path(args.png_dir).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, Path(args.png_dir) / png.name)
@@ -300,29 +324,72 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if missing else 0
 
 
+def run_name(family: str, tag: str) -> str:
+    return f"{family}@{tag}" if tag else family
+
+
+def read_attempts(root: Path) -> list[dict]:
+    path = root / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
 def record(args: argparse.Namespace, root: Path, families: list[str], minutes: float) -> None:
-    """Held-out accuracy per family and policy, and the printed tables, as bench/results/learning.json."""
+    """Held-out accuracy per family and policy, the printed tables and every run's per-step metrics, as
+    bench/results/learning.json (learning-<tag>.json for a tag)."""
+    from learning_report import step_table
+
     figures: dict[str, float] = {"bench_min_this_invocation": round(minutes, 1)}
     tables, parts = {}, []
     for family in families:
-        summary = json.loads((root / f"summary-{family}.json").read_text())
+        name = run_name(family, args.tag)
+        summary = json.loads((root / f"summary-{name}.json").read_text())
         sft = json.loads(result_path(root, f"{family}/sft").read_text())
         figures[f"{family}_sft"] = sft["heldout"]["accuracy"]
         for algo, s in summary["summaries"].items():
             figures[f"{family}_{algo}"] = round(s["accuracy"]["mean"], 4)
+            figures[f"{family}_{algo}_gain"] = round(s["gain"]["mean"], 4)
         parts.append(f"`{family}`: SFT {{{family}_sft:.2f}} -> " + ", ".join(
             f"{algo.upper()} {{{family}_{algo}:.2f}}" for algo in summary["summaries"]))
         columns = list(summary["table"][0])
         tables[family] = {"columns": columns, "rows": [[row[c] for c in columns] for row in summary["table"]]}
-    write_result("learning", figures, summary="held-out accuracy, " + "; ".join(parts),
+        for key in ("seed_gain", "steps_vs_sft"):
+            if summary.get(key):
+                tables[f"{family}-{key.replace('_', '-')}"] = summary[key]
+        runs = [json.loads(path.read_text()) for path in sorted(result_path(root, f"{family}/x:0", args.tag)
+                                                                   .parent.glob("*-s*.json"))]
+        tables[f"{family}-steps"] = step_table([r for r in runs if r.get("algorithm") in args.algos.split(",")])
+    label = f" ({args.tag}: {' '.join(args.override)})" if args.tag else ""
+    name = "learning" + (f"-{args.tag}" if args.tag else "")
+    figures, tables, parts = keep_other_families(name, families, figures, tables, parts)
+    write_result(name, figures,
+                 summary="held-out accuracy" + label + ", " + "; ".join(parts),
                  what="does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, held-out accuracy "
-                      "with paired intervals",
-                 command="bench/bench_learning.py",
+                      "with paired intervals" + (f"; variant {args.tag}" if args.tag else ""),
+                 command="bench/bench_learning.py" + (f" --tag {args.tag} " + " ".join(f"-o {o}" for o in args.override)
+                                                      if args.tag else ""),
                  details="#does-rl-learn-grpo-arpo-and-aepo-measured-benchbench_learningpy",
-                 conditions={"families": families, "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
+                 conditions={"families": sorted({t.split("-")[0] for t in tables}), "algorithms": args.algos.split(","),
+                             "seeds": args.seeds.split(","),
                              "steps": args.steps, "questions": args.questions, "samples": args.samples,
-                             "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs},
+                             "sft_samples": args.sft_samples, "temperature": args.temperature,
+                             "backend": args.backend, "jobs": args.jobs, "overrides": args.override},
                  tables=tables)
+
+
+def keep_other_families(name: str, families: list[str], figures: dict, tables: dict,
+                        parts: list[str]) -> tuple[dict, dict, list[str]]:
+    """A bench run over some families keeps what an earlier run recorded for the others in the same result file."""
+    from bench.results import RESULTS_DIR
+
+    path = RESULTS_DIR / f"{name}.json"
+    if not path.is_file():
+        return figures, tables, parts
+    old = json.loads(path.read_text())
+    others = [f for f in FAMILIES if f not in families and f"{f}_sft" in old["figures"]]
+    kept_figures = {k: v for k, v in old["figures"].items() if k.split("_")[0] in others}
+    kept_tables = {k: v for k, v in old.get("tables", {}).items() if k.split("-")[0] in others}
+    kept_parts = [p for p in old["summary"].partition(", ")[2].split("; ") if p.strip("`").split("`")[0] in others]
+    return {**kept_figures, **figures}, {**kept_tables, **tables}, kept_parts + parts
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.learning_baseline import steps_against_sft
+
 EARLY_LATE = 3  # steps averaged for "early" (first) and "late" (last) training values
 COLLAPSE_ALARMS = ("reward_at_floor", "reward_collapse", "entropy_collapse", "tool_collapse", "nonfinite_loss")
 ABOUT_HALF = (0.35, 0.65)  # the tool-call ratio range read as the paper's "about half"
@@ -111,7 +113,9 @@ def alarm_counts(run: dict[str, Any]) -> dict[str, int]:
 def algorithm_summary(runs: list[dict[str, Any]], sft: dict[str, Any]) -> dict[str, Any]:
     """One algorithm's seeds -> held-out accuracy spread, paired gains, training statistics (means over seeds)."""
     gains = [paired_gain(sft["correct_Q"], r["correct_Q"], seed=r["seed"] or 0) for r in runs]
-    out: dict[str, Any] = {
+    # the mean gain over seeds: questions resampled (paired with SFT's) and seeds resampled, as between algorithms
+    mean_gain = two_level_diff(per_question(runs), np.asarray(sft["correct_Q"], dtype=float)[:, None])
+    out: dict[str, Any] = {"mean_gain": {"mean": mean_gain[0], "low": mean_gain[1], "high": mean_gain[2]},
         "seeds": [r["seed"] for r in runs], "accuracy": spread([r["heldout"]["accuracy"] for r in runs]),
         "accuracy_ci": [(r["heldout"]["ci_low"], r["heldout"]["ci_high"]) for r in runs],
         "gain": spread([g[0] for g in gains]), "gain_ci": [(g[1], g[2]) for g in gains],
@@ -167,6 +171,11 @@ def verdicts(summaries: dict[str, dict[str, Any]], sft: dict[str, Any],
     for algo, s in summaries.items():
         acc, gain = s["accuracy"], s["gain"]
         beyond = gain["mean"] > acc["range"] and all(low > 0 for low, _ in s["gain_ci"])
+        mg = s["mean_gain"]
+        lines.append(f"{algo}: mean gain over SFT {mg['mean']:+.3f}, 95% interval over questions and seeds "
+                     f"[{mg['low']:+.3f}, {mg['high']:+.3f}] -> "
+                     + ("above SFT" if mg["low"] > 0 else "below SFT" if mg["high"] < 0 else
+                        "not distinguishable from SFT (the interval holds 0)"))
         lines.append(f"{algo}: held-out accuracy {acc['mean']:.3f} (seeds {acc['min']:.3f}-{acc['max']:.3f}) vs SFT "
                      f"{base:.3f}; gain {gain['mean']:+.3f}, seed range {acc['range']:.3f}, paired 95% intervals "
                      + ", ".join(f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in s["gain_ci"]) + " -> "
@@ -211,7 +220,7 @@ def table_rows(summaries: dict[str, dict[str, Any]], sft: dict[str, Any]) -> lis
     """The printed / published table: one row for SFT, one per algorithm (mean [min, max] over seeds)."""
     h = sft["heldout"]
     rows = [{"policy": "SFT", "held-out acc": f"{h['accuracy']:.3f} ({h['ci_low']:.3f}-{h['ci_high']:.3f})",
-             "gain vs SFT": "", "reward early -> late": "", "train acc early -> late": "",
+             "gain vs SFT": "", "mean gain [95%]": "", "reward early -> late": "", "train acc early -> late": "",
              "tools/traj train (exec)": "", "tools/traj eval": f"{h['tool_calls_per_traj']:.2f}",
              "branches/group": "", "format err train": "", "format ok eval": f"{h['format_valid']:.2f}",
              "runs with alarms": "", "step s": ""}]
@@ -220,6 +229,8 @@ def table_rows(summaries: dict[str, dict[str, Any]], sft: dict[str, Any]) -> lis
             "policy": f"{algo} ({len(s['seeds'])} seeds)", "held-out acc": _fmt(s["accuracy"]),
             "gain vs SFT": f"{s['gain']['mean']:+.3f} ("
                            + ", ".join(f"{lo:+.2f}..{hi:+.2f}" for lo, hi in s["gain_ci"]) + ")",
+            "mean gain [95%]": f"{s['mean_gain']['mean']:+.3f} [{s['mean_gain']['low']:+.3f}, "
+                               f"{s['mean_gain']['high']:+.3f}]",
             "reward early -> late": f"{s['reward/mean:early']['mean']:.2f} -> {s['reward/mean:late']['mean']:.2f}",
             "train acc early -> late": f"{s['accuracy:early']['mean']:.2f} -> {s['accuracy:late']['mean']:.2f}",
             "tools/traj train (exec)": f"{s['tools/calls_per_traj']['mean']:.2f} "
@@ -303,14 +314,16 @@ def _accuracy_panel(ax, by_algo: dict[str, list[dict[str, Any]]], sft: dict[str,
 
 
 def report(results: dict[str, dict[str, Any]], timing: dict[str, Any], root: Path, missing: list[str],
-           family: str = "") -> Path | None:
-    """Print the table and verdicts, write summary-<family>.json and learning-<family>.png, publish them."""
+           family: str = "", name: str | None = None, baselines: list[dict[str, Any]] | None = None) -> Path | None:
+    """Print the table and verdicts, write summary-<name>.json and learning-<name>.png (name: the family, or
+    family@tag for a variant), publish them. `baselines`: the SFT policy on each step's prompts, one per seed."""
     from tabulate import tabulate
 
     from stages.core.atomic import write_json
 
     sft = results.get("sft")
-    print(f"\n=== task family {family}: {TITLES.get(family, '')} ===")
+    name = name or family
+    print(f"\n=== task family {name}: {TITLES.get(family, '')} ===")
     if sft is None:
         print("no SFT evaluation yet; nothing to report")
         return None
@@ -323,12 +336,39 @@ def report(results: dict[str, dict[str, Any]], timing: dict[str, Any], root: Pat
     lines = verdicts(summaries, sft, by_algo)
     print(tabulate(rows, headers="keys", tablefmt="github"))
     print("\n" + "\n".join(lines))
+    steps_vs_sft = steps_against_sft(by_algo, baselines or [])
+    if steps_vs_sft["rows"]:
+        print("\nper step, mean over seeds: the SFT policy on that step's own prompts vs each algorithm's rollouts")
+        print(tabulate(steps_vs_sft["rows"], headers=steps_vs_sft["columns"], tablefmt="github"))
     print("\n" + timing_text(timing))
-    png = plot(results, sft, root / f"learning-{family}.png", family) if by_algo else None
-    write_json(root / f"summary-{family}.json", {"summaries": summaries, "verdicts": lines, "table": rows,
-                                                 "timing": timing, "missing": missing})
-    _publish(family, rows, lines, png)
+    png = plot(results, sft, root / f"learning-{name}.png", name) if by_algo else None
+    write_json(root / f"summary-{name}.json", {"summaries": summaries, "verdicts": lines, "table": rows,
+                                               "steps_vs_sft": steps_vs_sft, "timing": timing, "missing": missing})
+    _publish(name, rows, lines, png)
     return png
+
+
+STEP_COLUMNS = (("reward/mean", "reward"), ("accuracy", "acc"), ("reward/format_error_rate", "format err"),
+                ("tools/calls_per_traj", "tools/traj"), ("finish/length", "cut at cap"),
+                ("rollout/logp_mismatch", "logp mismatch"), ("ppo_kl", "ppo_kl"), ("clip_fraction", "clip frac"),
+                ("grad_norm", "grad norm"))
+
+
+def step_table(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every run's every step (bench/results/learning*.json): the rows a reader checks a run's steps with."""
+    rows = []
+    for run in sorted(runs, key=lambda r: (r["algorithm"], r["seed"])):
+        fired: dict[int, list[str]] = {}
+        for alarm in run.get("alarms", []):
+            fired.setdefault(int(alarm["step"]), []).append(alarm["name"])
+        for row in run["steps"]:
+            rows.append([run["algorithm"], run["seed"], row["step"]]
+                        + [_num(row.get(key)) for key, _ in STEP_COLUMNS] + [", ".join(fired.get(row["step"], []))])
+    return {"columns": ["algorithm", "seed", "step", *[label for _, label in STEP_COLUMNS], "alarms"], "rows": rows}
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None else float(f"{float(value):.4g}")
 
 
 def timing_text(timing: dict[str, Any]) -> str:

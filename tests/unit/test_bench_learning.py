@@ -41,7 +41,9 @@ def test_learning_config_validates_for_every_family_and_algorithm(family: str, a
     # the same rollout budget whatever the algorithm; the response budget is the family's
     assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 6 if family == "arith" else 3)
     assert cfg.rl.rollout.max_response_length == (160 if family == "arith" else 256)
-    assert bench.heldout_spec(args, cfg).call_limit == cfg.rl.rollout.call_limit
+    assert bench.heldout_spec(args, cfg, args.samples).call_limit == cfg.rl.rollout.call_limit
+    # the SFT baseline is sampled 4 times per question by default, each RL policy once
+    assert (args.sft_samples, args.samples) == (4, 1)
 
 
 def test_two_level_interval_holds_the_seed_spread() -> None:
@@ -103,18 +105,39 @@ def test_verdicts_say_plainly_whether_rl_beats_sft_and_judge_both_claims() -> No
     # GRPO: 9 of 10 wrong questions fixed, 1 right one lost -> gain 0.45 > seed range 0
     assert summaries["grpo"]["gain"]["mean"] == pytest.approx(0.45)
     lines = report.verdicts(summaries, sft, runs)
-    assert "RL beats SFT beyond the seed-to-seed spread" in lines[0]
-    # ARPO: seed 0 unchanged (gain 0, interval touches 0), seed 1 perfect: mean 0.25 < range 0.5
-    assert "not distinguishable" in lines[1]
-    assert lines[2].startswith("sanity: advantage sign") and "grpo 100%" in lines[2]
+    # per question GRPO - SFT: ten +1, nine 0, one -1 (mean 0.45, sd 0.59, standard error 0.13): the interval over
+    # questions (both seeds alike) is about 0.45 +- 0.26, above 0
+    assert lines[0].startswith("grpo: mean gain over SFT +0.450") and lines[0].endswith("-> above SFT")
+    assert "RL beats SFT beyond the seed-to-seed spread" in lines[1]
+    # ARPO: seed 0 unchanged (gain 0 on every question), seed 1 perfect: a quarter of the draws take seed 0 twice
+    # and give exactly 0, so the interval's low end is 0; mean 0.25 < seed range 0.5
+    assert lines[2].startswith("arpo: mean gain over SFT +0.250, 95% interval over questions and seeds [+0.000,")
+    assert lines[2].endswith("not distinguishable from SFT (the interval holds 0)")
+    assert "not distinguishable" in lines[3]
+    assert lines[4].startswith("sanity: advantage sign") and "grpo 100%" in lines[4]
     # ARPO 0.75 vs GRPO 0.95 -> -0.200; a draw of ARPO's seeds {0, 0} gives 0.5 - 0.95, {1, 1} gives +0.05
-    assert "claim 1" in lines[3] and "ARPO - GRPO -0.200" in lines[3] and "not distinguishable at this scale" in lines[3]
-    assert "claim 2" in lines[4] and "ARPO 0.50 vs GRPO 1.00 (0.50x" in lines[4] and "about half in training" in lines[4]
-    assert lines[5] == "collapse: arpo seed 0 -- alarm reward_at_floor at step 3: mean reward -1.00 for 3 steps"
+    assert "claim 1" in lines[5] and "ARPO - GRPO -0.200" in lines[5] and "not distinguishable at this scale" in lines[5]
+    assert "claim 2" in lines[6] and "ARPO 0.50 vs GRPO 1.00 (0.50x" in lines[6] and "about half in training" in lines[6]
+    assert lines[7] == "collapse: arpo seed 0 -- alarm reward_at_floor at step 3: mean reward -1.00 for 3 steps"
     table = report.table_rows(summaries, sft)
     assert [r["policy"] for r in table] == ["SFT", "grpo (2 seeds)", "arpo (2 seeds)"]
     assert table[1]["reward early -> late"] == "0.20 -> 0.50"          # steps 1-3 vs 4-6 of 0.1 * step
     assert table[2]["runs with alarms"] == "reward_at_floor 1/2"
+    assert table[1]["mean gain [95%]"].startswith("+0.450 [")
+
+
+def test_step_tables_line_up_each_step_with_the_sft_policy_on_its_prompts() -> None:
+    runs = {"grpo": [_run("grpo", s, [1.0], 1.0) for s in (0, 1)]}
+    runs["grpo"][0]["alarms"] = [{"name": "sampler_drift", "step": 2, "message": "m"}]
+    steps = report.step_table(runs["grpo"])
+    assert len(steps["rows"]) == 12 and steps["columns"][:4] == ["algorithm", "seed", "step", "reward"]
+    assert steps["rows"][1][:4] == ["grpo", 0, 2, 0.2] and steps["rows"][1][-1] == "sampler_drift"
+    # SFT on step 1's prompts: reward -0.5 (seed 0) and -0.3 (seed 1) -> -0.4; GRPO's step 1 is 0.1 for both seeds
+    baselines = [{"seed": seed, "steps": [{"step": 1, "reward/mean": r, "reward/format_error_rate": 0.5}]}
+                 for seed, r in ((0, -0.5), (1, -0.3))]
+    table = report.steps_against_sft(runs, baselines)
+    assert table["columns"] == ["step", "SFT reward", "grpo reward", "SFT format err", "grpo format err"]
+    assert table["rows"] == [[1, -0.4, 0.1, 0.5, 0.1]]
 
 
 def test_advantage_sign_agreement_flags_a_flipped_sign() -> None:
