@@ -43,16 +43,18 @@ def rl_steps(refs: dict[str, Any]) -> list[dict[str, Any]]:
     metrics = folder / "metrics.jsonl" if folder else None
     if metrics is None or not metrics.is_file():
         return []
-    return [{key: row[key] for key in RL_COLUMNS if key in row} for row in read_jsonl(metrics)]
+    return [{**{key: row[key] for key in RL_COLUMNS if key in row},
+             "alarms": ", ".join(sorted(k.removeprefix("alarm/") for k in row if k.startswith("alarm/")))}
+            for row in read_jsonl(metrics)]
 
 
 def rl_lines(steps: list[dict[str, Any]]) -> list[str]:
     """The report's RL section: a table of the steps and what a reader should make of them."""
     if not steps:
         return ["no RL stage in this rehearsal"]
-    lines = ["| " + " | ".join(RL_COLUMNS.values()) + " |", "|" + "---|" * len(RL_COLUMNS)]
+    lines = ["| " + " | ".join([*RL_COLUMNS.values(), "alarms"]) + " |", "|" + "---|" * (len(RL_COLUMNS) + 1)]
     for row in steps:
-        cells = [row.get(key) for key in RL_COLUMNS]
+        cells = [row.get(key) for key in [*RL_COLUMNS, "alarms"]]
         lines.append("| " + " | ".join("" if c is None else f"{c:.3g}" if isinstance(c, float) else str(c)
                                        for c in cells) + " |")
     if all(row.get("reward/groups_without_signal") == 1.0 for row in steps):
@@ -63,6 +65,10 @@ def rl_lines(steps: list[dict[str, Any]]) -> list[str]:
     lines += ["", f"Log-prob mismatch (the rollout engine's sampled tokens' log-probs vs the trainer's, mean absolute "
               f"difference) at most {mismatch:.3g}: float32 engines agree to ~1e-5; a large value means the two "
               "see different tokens or weights (template, tokenizer, weight sync)."]
+    if any("sampler_drift" in (row.get("alarms") or "") for row in steps):
+        lines += ["", "**sampler_drift fired**: the rollout engine's log-probs moved away from the trainer's after the "
+                  "first step, so the engine was not sampling from the policy being trained (docs/rl.md, The sampler "
+                  "is the policy)."]
     return lines
 
 

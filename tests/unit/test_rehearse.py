@@ -129,16 +129,20 @@ def test_report_times_the_stages_that_ran_and_lists_every_change(tmp_path):
     metrics = [{"step": 1, "reward/mean": -1.0, "reward/groups_without_signal": 1.0, "rollout/logp_mismatch": 2e-8,
                 "grad_norm": 0.0, "loss": 0.0},
                {"step": 2, "reward/mean": -1.0, "reward/groups_without_signal": 1.0, "rollout/logp_mismatch": 3e-8,
-                "grad_norm": 0.0}]
+                "grad_norm": 0.0, "alarm/sampler_drift": 1.0, "alarm": 1.0}]
     (tmp_path / "rl" / "k" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     steps = rl_steps(refs)
-    assert [sorted(row) for row in steps] == [sorted(set(m) - {"loss"}) for m in metrics]   # the report's columns
+    # the report's columns, and the alarms each step raised
+    assert [sorted(row) for row in steps] == [sorted(set(m) - {"loss", "alarm", "alarm/sampler_drift"} | {"alarms"})
+                                              for m in metrics]
+    assert [row["alarms"] for row in steps] == ["", "sampler_drift"]
     rehearsal = rehearsal_for(load_config(PAPER[0], []), REPLAY)
     md = write_report(tmp_path, rehearsal, None, {"RL steps": "156"}, list(rows.values()), 120.0, steps).read_text()
     assert "not a run of the profile" in md and "| sft | yes | 30 s |" in md and "- RL steps: 156" in md
     assert md.count("\n| swap |") + md.count("\n| scale |") == len(rehearsal.changes)
     # absent columns stay empty; every group flat: the report says the policy gradient was zero
-    assert "| 2 | -1 |  | 1 |  | 3e-08 | 0 |" in md and "No reward signal" in md and "at most 3e-08" in md
+    assert "| 2 | -1 |  | 1 |  | 3e-08 | 0 | sampler_drift |" in md and "No reward signal" in md and "at most 3e-08" in md
+    assert "**sampler_drift fired**" in md
     record = json.loads((tmp_path / "rehearsal.json").read_text())
     assert record["wall_s"] == 120.0 and record["rl_steps"] == steps
     assert rl_steps({"data": refs["data"]}) == []                                   # a rehearsal without RL
