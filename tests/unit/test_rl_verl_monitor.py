@@ -12,7 +12,7 @@ import torch
 
 from stages.core.config.loader import load_config
 from stages.rl.alarms import AlarmStop
-from stages.rl.verl.monitor import Follower, LiveReport, our_row, read_steps, rollout_metrics
+from stages.rl.verl.monitor import Follower, LiveReport, logp_mismatch, our_row, read_steps, rollout_metrics
 
 
 def test_rollout_metrics_of_a_verl_step_match_the_local_definitions():
@@ -51,7 +51,16 @@ def test_verl_names_map_to_ours_and_the_rest_is_kept_under_verl():
                       "actor/grad_norm": 2.0, "timing_s/step": 12.0, "training/rollout_probs_diff_mean": 0.01,
                       "critic/score/mean": 0.5, "note": "text", "flag": True})
     assert row == {"step": 3, "reward/mean": 0.5, "tools/calls_per_traj": 1.5, "loss": 0.1, "grad_norm": 2.0,
-                   "timing/step_s": 12.0, "rollout/logp_mismatch": 0.01, "verl/critic/score/mean": 0.5}
+                   "timing/step_s": 12.0, "rollout/prob_mismatch": 0.01, "verl/critic/score/mean": 0.5}
+
+
+def test_logp_mismatch_is_the_mean_absolute_gap_over_response_tokens():
+    # row 0: |-1.0 - -1.5| = 0.5 and |-2 - -2| = 0 on its two tokens; row 1: one token, |-0.1 - -0.4| = 0.3; the
+    # masked positions (a tool result, padding) differ by 9 and must not count: (0.5 + 0 + 0.3) / 3
+    rollout = torch.tensor([[-1.0, -2.0, -9.0], [-0.1, 0.0, 0.0]])
+    old = torch.tensor([[-1.5, -2.0, 0.0], [-0.4, -9.0, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert logp_mismatch(rollout, old, mask) == pytest.approx(0.8 / 3)
 
 
 def _log(path, *steps, value=1.0):

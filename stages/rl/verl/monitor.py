@@ -5,8 +5,10 @@ Two sources make one row per step:
 - our trainer mode (`arpo_sync`, stages/rl/verl/trainer_mode.py) computes the local engine's rollout metrics from
   the step's TransferQueue rows (`rollout_metrics`: rewards, accuracy, tools, branches, finish reasons, lengths,
   entropy / ln|V|) and logs them through verl's logger under `arpo/<our name>`;
-- verl's own metrics (loss, gradient norm, clipping, timings, rollout-vs-actor log-prob gap), renamed by
-  `VERL_NAMES`; every other verl metric is kept as `verl/<its name>`.
+- verl's own metrics (loss, gradient norm, clipping, timings), renamed by `VERL_NAMES`; every other verl metric is
+  kept as `verl/<its name>`. The rollout-vs-trainer gap the drift alarm reads, `rollout/logp_mismatch`, is ours
+  (`logp_mismatch`: mean |log p| difference per token, as the local engine measures it); verl's
+  `training/rollout_probs_diff_mean` is a mean *probability* difference and is kept as `rollout/prob_mismatch`.
 The launcher follows verl's file logger (one JSON line per step) while verl runs (`Follower`).
 """
 
@@ -25,7 +27,7 @@ OURS = "arpo/"
 VERL_NAMES = {
     "actor/pg_loss": "loss", "actor/grad_norm": "grad_norm", "actor/pg_clipfrac": "clip_fraction",
     "actor/pg_clipfrac_lower": "dual_clip_fraction", "actor/ppo_kl": "ppo_kl", "actor/kl_loss": "kl/ref",
-    "actor/lr": "lr", "training/rollout_probs_diff_mean": "rollout/logp_mismatch",
+    "actor/lr": "lr", "training/rollout_probs_diff_mean": "rollout/prob_mismatch",
     "timing_s/gen": "timing/rollout_s", "timing_s/old_log_prob": "timing/old_logprob_s",
     "timing_s/adv": "timing/advantage_s", "timing_s/update_actor": "timing/update_s",
     "timing_s/save_checkpoint": "timing/checkpoint_s", "timing_s/update_weights": "timing/weight_sync_s",
@@ -82,6 +84,13 @@ def rollout_metrics(uids: Sequence[Any], extras: Sequence[dict[str, Any]], score
         mask = mask_BT.float()
         row["entropy/mean"] = float((entropy_BT.float() * mask).sum() / mask.sum().clamp(min=1)) / math.log(vocab_size)
     return row
+
+
+def logp_mismatch(rollout_logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """Mean over response tokens of |log p_rollout - log p_trainer| (the sampler-vs-policy gap of the local engine's
+    `rollout/logp_mismatch`): verl's vLLM log-probs of the tokens it sampled vs the actor's old-log-prob pass."""
+    mask = mask_BT.float()
+    return float(((rollout_logp_BT.float() - old_logp_BT.float()).abs() * mask).sum() / mask.sum().clamp(min=1))
 
 
 def our_row(step: int, logged: dict[str, Any]) -> dict[str, Any]:

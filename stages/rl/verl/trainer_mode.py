@@ -31,10 +31,12 @@ from verl.workers.utils.padding import response_to_nested
 from stages.rl.verl.advantage import step_advantages, tree_metrics
 from stages.rl.verl.failures import INFRA, TreeFailureLog
 from stages.rl.verl.mapping import TRAINER_MODE
-from stages.rl.verl.monitor import OURS, dump_row, rollout_metrics
+from stages.rl.verl.monitor import OURS, dump_row, logp_mismatch, rollout_metrics
 from stages.rl.verl.settings import load_settings
 
-FIELDS = ["uid", "response_mask", "rm_scores", "entropy", "extra_fields"]
+# rollout_log_probs (vLLM's, rollout.calculate_log_probs: always on, mapping.py) and old_log_probs (the actor's pass)
+# give the sampler-vs-trainer gap of the drift alarm
+FIELDS = ["uid", "response_mask", "rm_scores", "entropy", "extra_fields", "rollout_log_probs", "old_log_probs"]
 
 
 def _padded(tensor):
@@ -70,6 +72,9 @@ def advantages_from_store(data: TensorDict, padding: list[bool], n: int,
         metrics = rollout_metrics([uids[r] for r in real], [extras[r] for r in real], scores[idx].sum(-1), model_BT,
                                   lengths[idx], entropy[idx] if entropy is not None else None, vocab_size)
         metrics["advantage/mean_abs"] = float((adv[idx].abs() * model_BT).sum() / model_BT.sum().clamp(min=1))
+        if "rollout_log_probs" in data.keys() and "old_log_probs" in data.keys():
+            metrics["rollout/logp_mismatch"] = logp_mismatch(_padded(data["rollout_log_probs"])[idx],
+                                                             _padded(data["old_log_probs"])[idx], model_BT)
     nested = response_to_nested(adv, mask)
     return TensorDict({"advantages": nested, "returns": nested}, batch_size=[adv.shape[0]]), trees, metrics
 
