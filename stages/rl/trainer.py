@@ -56,7 +56,7 @@ from stages.rl.step_metrics import (
     rollout_metrics,
     rollout_sample_markdown,
 )
-from stages.rl.tree_report import publish_trees
+from stages.rl.tree_report import finish_pages, publish_trees
 from stages.rl.update import build_step_tensors, ppo_update
 
 log = get_logger(__name__)
@@ -208,6 +208,7 @@ class RLTrainer:
                         publish_results(self.cfg, self.path, history)
         finally:
             session.close()
+            finish_pages(self.cfg, self.path)  # an alarm stop included: a tree page per dump (tree_report.py)
         final = self._final_checkpoint(state, latest)
         plot_curves(history, self.path / "curves.png")
         return final

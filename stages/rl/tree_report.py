@@ -45,6 +45,16 @@ def write_pages(stage: Path) -> dict[int, Path]:
     return pages
 
 
+def finish_pages(cfg: Any, stage: Path) -> None:
+    """The pages of every dump, however the run ends (an alarm that stops it is when its trees matter most); logs,
+    never raises."""
+    if cfg.trainer.dump_rollouts:
+        try:
+            write_pages(stage)
+        except (BadInputError, ValueError, KeyError, TypeError, OSError) as err:
+            log.warning("rollout trees of %s not written: %s", stage, err)
+
+
 def publish_trees(cfg: Any, stage: Path, write: bool = True) -> None:
     """Pages, the newest step's image (`rl-trees`) and the page list with that step's statistics
     (`rl-tree-pages`). `write=False` publishes what a finished folder holds (it is never written to)."""

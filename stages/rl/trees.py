@@ -243,7 +243,8 @@ def node_header(n: Node) -> str:
     if "loss_tokens" in n.row:
         loss = f" · loss {n.row['loss_tokens']} tok ({n.row.get('retrained_prefix_tokens', 0)} retrained)"
     answer = n.answer
-    answer = "none" if answer is None else json.dumps(answer if len(answer) <= 40 else answer[:40] + "…")
+    answer = "none" if answer is None else json.dumps(answer if len(answer) <= 40 else answer[:40] + "…",
+                                                      ensure_ascii=False)
     return (f"#{n.traj_id} {n.row.get('kind', '?')}{fork} · reward {n.reward:+.2f} · adv {n.advantage:+.3f} · "
             f"{n.row.get('finish_reason') or '?'} · answer {answer}{loss}")
 

@@ -188,6 +188,7 @@ def test_an_alarm_in_stop_on_ends_rl_once_after_its_alert(tiny_model, synthetic_
     stage = next((tmp_path / "rl").iterdir())
     assert "# Algorithm card: arpo on the local engine" in (stage / "algorithm_card.md").read_text()
     assert not list((stage / "checkpoints").glob("step_*"))       # the alarmed step was not saved
+    assert (stage / "trees" / "step_000001.html").is_file()         # but its rollout trees are there to look at
     assert [json.loads(line)["name"] for line in (stage / "alarms.jsonl").read_text().splitlines()] == \
         ["entropy_collapse"]
 

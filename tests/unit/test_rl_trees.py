@@ -312,3 +312,15 @@ def test_the_probe_root_count_reaches_the_dump_and_the_text():
     rows = [{"group": 0, "traj_id": t.traj_id, "kind": t.kind, "length": len(t), "response": t.response_text,
              **trajectory_tree_fields(t, g, tok)} for t in g.trajectories]
     assert "· probe H_root 18.000 H_tool 9.000 → 4 roots" in render_group(build_trees(rows)[0]).splitlines()[0]
+
+
+def test_finish_pages_writes_every_page_and_never_raises(tmp_path):
+    from stages.rl.tree_report import finish_pages
+
+    cfg_ = SimpleNamespace(algorithm="arpo", trainer=SimpleNamespace(dump_rollouts=True))
+    stage = stage_folder(tmp_path)
+    finish_pages(cfg_, stage)
+    assert page_path(stage, 2).is_file() and page_path(stage, 10).is_file()
+    write_jsonl(stage / "rollouts" / "step_11.jsonl", [{"group": 0}])      # a bad row: logged
+    finish_pages(cfg_, stage)
+    assert not page_path(stage, 11).exists()

@@ -41,7 +41,7 @@ from stages.core.rl_parquet import SCHEMA, RLRow, read_rl_parquet
 from stages.generation.models import policy_folder, tokenizer_folder
 from stages.rl.retention import prune_verl_checkpoints
 from stages.rl.step_metrics import plot_curves
-from stages.rl.tree_report import publish_trees
+from stages.rl.tree_report import finish_pages, publish_trees
 from stages.rl.verl.cpu_mode import CPU_ENV, plugin_modules
 from stages.rl.verl.mapping import TREE_AGENT, VerlPaths, external_modules, model_type_of, verl_overrides
 from stages.rl.verl.monitor import Follower, LiveReport, read_steps
@@ -248,7 +248,10 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
     resumed = latest_step(Path(paths.checkpoints)) or 0
     with reporter.track("rl", f"RL ({cfg.algorithm}, verl)", total=total_steps(cfg, len(rows)), done=resumed) as bar:
         live = LiveReport(cfg, stage, bar, resumed)
-        returncode = run_main_ppo(overrides, env, stage, Follower(lambda: attempts(stage), live.on_step).poll)
+        try:
+            returncode = run_main_ppo(overrides, env, stage, Follower(lambda: attempts(stage), live.on_step).poll)
+        finally:
+            finish_pages(cfg, stage)  # an alarm stop included: a tree page per dumped step (tree_report.py)
     history = collect_metrics(stage)
     if history:
         plot_curves(history, stage / "curves.png")
