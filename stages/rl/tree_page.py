@@ -9,7 +9,7 @@ lane at the fork point (a black dot), whose marker tells the draw that made it (
 P(branch), u).
 Draws that made no copy are hollow circles. The end of each lane tells the reward, advantage, finish reason and
 answer. A click on a bar opens its text (and the tool result) below the drawing; a click on a lane's label opens
-the whole trajectory.
+the trajectory's lines as `arpo trees` prints them. A very big step shows less text per piece (TEXT_BUDGET).
 """
 
 from __future__ import annotations
@@ -19,10 +19,21 @@ from pathlib import Path
 from typing import Any
 
 from stages.core.atomic import write_text
-from stages.rl.trees import STAT_LABELS, Node, Piece, TreeGroup, format_stat, group_header, node_header
+from stages.rl.trees import (
+    STAT_LABELS,
+    Node,
+    Piece,
+    TreeGroup,
+    format_stat,
+    group_header,
+    node_header,
+    segment_lines,
+)
 
 WIDTH, LEFT, RIGHT, LANE = 900, 78, 330, 36     # px: token axis, lane labels, leaf labels, lane height
 MAX_TEXT = 6000                                 # characters of one piece shown (head and tail beyond that)
+TEXT_BUDGET = 24_000_000                        # characters of text on one page: a big step's pieces share it
+MIN_TEXT = 400                                  # ... but each piece keeps at least this much
 
 CSS = """
 body{font:13px/1.4 system-ui,sans-serif;margin:16px;color:#222;background:#fafafa}
@@ -154,17 +165,25 @@ def entropy_svg(n: Node, x, yn: float, h_max: float) -> list[str]:
             f'this group {h_max:.3f})</title></path>']
 
 
-def details_html(gi: int, g: TreeGroup) -> str:
+def text_limit(groups: list[TreeGroup]) -> int:
+    """Characters shown per piece: MAX_TEXT, less on a step so big that its text would pass TEXT_BUDGET (the dump
+    and `arpo trees` keep all of it)."""
+    pieces = sum(len(n.pieces()) for g in groups for n in g.nodes())
+    return max(MIN_TEXT, min(MAX_TEXT, TEXT_BUDGET // max(1, pieces)))
+
+
+def details_html(gi: int, g: TreeGroup, limit: int = MAX_TEXT) -> str:
+    """Hidden boxes a click opens: per trajectory its header and segment lines, per piece its text and draws."""
     out = []
     for n in lanes(g):
-        whole = n.text(n.fork_at, n.length) if n.row.get("tree") else n.row.get("response") or ""
+        lines = "\n".join(line for _, line in segment_lines(n))
         out.append(f'<div class="traj" id="t-{gi}-{n.traj_id}" hidden><b>{esc(node_header(n))}</b>'
-                   f'<pre>{esc(clip_text(whole))}</pre></div>')
+                   f'<pre>{esc(lines)}</pre></div>')
         for p in n.pieces():
             draws = [d for d in n.draws if int(d["seg"][0]) == p.start] if p.kind == "model" else []
             extra = "".join(f"<div>{esc(draw_title(n, d))}</div>" for d in draws)
             out.append(f'<div class="detail" id="d-{gi}-{n.traj_id}-{p.start}" hidden><b>{esc(piece_title(n, p))}'
-                       f'</b>{extra}<pre>{esc(clip_text(p.text))}</pre></div>')
+                       f'</b>{extra}<pre>{esc(clip_text(p.text, limit))}</pre></div>')
     return "\n".join(out)
 
 
@@ -179,11 +198,11 @@ def page_html(title: str, source: str, groups: list[TreeGroup], stats: dict[str,
         ("model", "#4a7fd0", "generated"), ("tool-ok", "#f0a030", "tool result"),
         ("tool-error", "#d04040", "tool error"), ("env", "#bbb", "appended by the environment"),
         ("ent", "#2a9d5c", "token entropy"), ("fork", "#111", "fork (the draw that made the copy)")))
-    sections = []
+    sections, limit = [], text_limit(groups)
     for gi, g in enumerate(groups):
         sections.append(f'<section class="group" id="group-{gi}"><div class="gh">'
                         f'{esc(chr(10).join(group_header(g)))}</div>{group_svg(gi, g)}'
-                        f'<div class="details">{details_html(gi, g)}</div></section>')
+                        f'<div class="details">{details_html(gi, g, limit)}</div></section>')
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
             f'<link rel="icon" href="data:,"><style>{CSS}</style></head><body><h1>{esc(title)}</h1>'
             f'<div>from <code>{esc(source)}</code>; hover a mark for its numbers, click a bar for its text, a lane '

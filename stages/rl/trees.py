@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,13 @@ class Node:
     def length(self) -> int:
         return int(self.row.get("length") or 0)
 
+    @cached_property
+    def _chars(self) -> dict[int, int]:
+        return {int(t): int(c) for t, c in self.tree.get("chars", [])}
+
     def text(self, start: int, end: int) -> str:
         """The response text of tokens [start, end) (character offsets from the dump's `tree.chars`)."""
-        chars = dict((int(t), int(c)) for t, c in self.tree.get("chars", []))
+        chars = self._chars
         response = self.row.get("response") or ""
         if start not in chars or end not in chars:
             return response if (start, end) == (self.fork_at, self.length) or not chars else ""
@@ -95,6 +100,10 @@ class Node:
 
     def pieces(self) -> list[Piece]:
         """The node's own part in order: its segments, tool results and the gaps between them."""
+        return list(self._pieces)
+
+    @cached_property
+    def _pieces(self) -> list[Piece]:
         tree, start = self.tree, self.fork_at
         if not tree:
             return [Piece(start, self.length, "text", self.text(start, self.length))] if self.length > start else []
@@ -120,7 +129,7 @@ class Node:
         h0 = self.tree.get("h_initial")
         if piece.h is None or h0 is None:
             return None
-        first = next((p for p in self.pieces() if p.kind == "model"), None)
+        first = next((p for p in self._pieces if p.kind == "model"), None)
         if first is not None and first.start == piece.start and (self.parent_id is None or piece.h == float(h0)):
             return None
         return piece.h - float(h0)

@@ -324,3 +324,15 @@ def test_finish_pages_writes_every_page_and_never_raises(tmp_path):
     write_jsonl(stage / "rollouts" / "step_11.jsonl", [{"group": 0}])      # a bad row: logged
     finish_pages(cfg_, stage)
     assert not page_path(stage, 11).exists()
+
+
+def test_a_big_step_shows_less_text_per_piece(monkeypatch):
+    from stages.rl import tree_page
+
+    groups = build_trees(hand_rows())   # pieces: g0 3 + 1 + 1 + 1, g1 1 + 1 = 8
+    assert tree_page.text_limit(groups) == 6000                           # 24e6 / 8 is over MAX_TEXT
+    monkeypatch.setattr(tree_page, "TEXT_BUDGET", 4000)
+    assert tree_page.text_limit(groups) == 500                            # 4000 / 8
+    monkeypatch.setattr(tree_page, "TEXT_BUDGET", 800)
+    assert tree_page.text_limit(groups) == 400                            # the floor
+    assert tree_page.clip_text("a" * 10 + "b" * 10, 10) == "aaaaa\n[… 10 characters not shown …]\nbbbbb"
