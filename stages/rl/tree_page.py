@@ -206,7 +206,7 @@ def page_html(title: str, source: str, groups: list[TreeGroup], stats: dict[str,
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
             f'<link rel="icon" href="data:,"><style>{CSS}</style></head><body><h1>{esc(title)}</h1>'
             f'<div>from <code>{esc(source)}</code>; hover a mark for its numbers, click a bar for its text, a lane '
-            f'label for the whole trajectory</div>{stats_html(stats)}<div class="legend">{legend}</div>'
+            f'label for its lines</div>{stats_html(stats)}<div class="legend">{legend}</div>'
             f'{"".join(sections)}<script>{SCRIPT}</script></body></html>')
 
 
