@@ -63,8 +63,11 @@ def rl_lines(steps: list[dict[str, Any]]) -> list[str]:
                   "but cannot have moved the weights by its policy loss."]
     mismatch = max((row.get("rollout/logp_mismatch") or 0.0 for row in steps), default=0.0)
     lines += ["", f"Log-prob mismatch (the rollout engine's sampled tokens' log-probs vs the trainer's, mean absolute "
-              f"difference) at most {mismatch:.3g}: float32 engines agree to ~1e-5; a large value means the two "
-              "see different tokens or weights (template, tokenizer, weight sync)."]
+              f"difference) at most {mismatch:.3g}: float32 engines agree to ~1e-5, except on a toy whose embedding "
+              "has more rows than its tokenizer has tokens (Qwen: 151,936 for 151,669): the sampler draws only the "
+              "tokenizer's ids, so with random weights the two differ by log(rows / tokens) ~ 1.8e-3 at every step; a "
+              "large value, or one that grows after the first step, means the two see different tokens or weights "
+              "(template, tokenizer, weight sync: the sampler_drift alarm)."]
     if any("sampler_drift" in (row.get("alarms") or "") for row in steps):
         lines += ["", "**sampler_drift fired**: the rollout engine's log-probs moved away from the trainer's after the "
                   "first step, so the engine was not sampling from the policy being trained (docs/rl.md, The sampler "
