@@ -12,7 +12,8 @@ import os
 import sys
 
 from flows import extra_commands, rehearse_commands
-from flows.server import default_port, start_prefect_server, use_local_server_if_running
+from flows.launch import ServerLost, run_pipeline
+from flows.server import default_port, start_prefect_server
 from stages.core.env import configure_environment
 
 
@@ -36,10 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(3)  # Prefect's exit hooks would keep retrying the gone server for minutes
-
-
-class ServerLost(Exception):
-    """The Prefect server this run reports to stopped answering mid-run."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,10 +98,16 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_stages(args: argparse.Namespace) -> int:
-    from stages.core.selection import GROUPS, STAGES
+    from stages.core.stage_spec import table
 
-    print(" -> ".join(STAGES))
-    print("groups: " + ", ".join(f"{name} = {'+'.join(members)}" for name, members in GROUPS.items()))
+    stages = table()
+    print(" -> ".join(stages.stages))
+    print("groups: " + ", ".join(f"{name} = {'+'.join(members)}" for name, members in stages.groups.items()))
+    for spec in stages.specs:  # what each stage reads and where it runs, off the table (stages/core/stage_spec.py)
+        notes = [f"part of {spec.part_of}" if spec.part_of else "", f"group {spec.group}" if spec.group else "",
+                 "may run under another interpreter" if spec.isolatable else ""]
+        print(f"  {spec.name:<10} reads {', '.join(spec.sections):<20} {spec.entry}"
+              + "".join(f"; {n}" for n in notes if n))
     return 0
 
 
@@ -157,53 +160,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if report:
         print(f"report:     {report['path']}")
     return 0
-
-
-def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace) -> dict:
-    """Check everything that can be checked before work starts, then run the flow (`arpo run`, `arpo rehearse`);
-    returns the flow's summary."""
-    from stages.core.config.loader import load_config
-    from stages.core.env import free_cpu_threads
-    from stages.core.selection import select_stages
-
-    cfg = load_config(profile, overrides)  # fail fast on config errors
-    selection = select_stages(args.only, args.until, args.refresh, args.refresh_from)
-    from stages.core.input_check import check_inputs
-
-    check_inputs(cfg, selection.run)  # and on missing, unreadable or malformed input files
-    from stages.rehearse.seam_preflight import preflight_seams
-
-    preflight_seams(cfg, selection.run)  # and where SFT, RL and eval would tokenize differently (docs/seams.md)
-    from stages.cost.memory import check_memory
-
-    check_memory(cfg, selection.run)  # and on a verl run whose memory estimate exceeds the GPU (docs/plan.md)
-    if selection.runs("infer") and cfg.eval.enabled:
-        from stages.eval.benchmarks import check_benchmarks
-
-        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root, cfg.eval.max_questions)  # and benchmark files
-    ui = use_local_server_if_running(ephemeral=args.ephemeral)
-    import torch
-
-    torch.set_num_threads(cfg.run.torch_threads or free_cpu_threads())
-    from flows.pipeline import pipeline
-
-    print(f"profile {cfg.profile}: {selection.describe()}")
-    try:
-        summary = pipeline(profile=profile, overrides=overrides, only=args.only, until=args.until,
-                           refresh=args.refresh, refresh_from=args.refresh_from, verify=args.verify)
-    except Exception as err:
-        from stages.core.errors import DeterministicError
-        from stages.core.procs import healthy
-
-        if ui and not isinstance(err, DeterministicError) and not healthy(f"{ui}/api/health"):
-            raise ServerLost(f"the Prefect server at {ui} stopped answering during the run ({type(err).__name__}: "
-                             f"{err}). Finished stages are kept in {cfg.run.output_root}/ and are reused: start the "
-                             "server again (`arpo server start`), or add --ephemeral, and rerun the same command"
-                             ) from err
-        raise
-    print(f"\nrun record: {summary['run_dir']}")
-    print(f"web UI:     {ui}" if ui else "web UI:     start it with `arpo server start`, then rerun (cached)")
-    return summary
 
 
 if __name__ == "__main__":

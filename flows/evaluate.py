@@ -12,7 +12,7 @@ from prefect import Flow, flow
 from stages.core.config.loader import RunConfig
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from stages.core.selection import StageName, select_stages
-from tasks.common import submit_stage
+from tasks.common import StageRunner
 from tasks.eval_infer import submit_infer
 from tasks.eval_score import score_task, scores_as_they_finish
 
@@ -23,13 +23,13 @@ def evaluate_benchmarks(cfg: RunConfig, model: ModelRef, data: DatasetRef, endpo
                         retry: list[str] | None = None, summarizer: EndpointRef | None = None) -> dict[str, Any]:
     """retry: benchmarks whose infra-failed samples run again (stages/eval/reuse.py); summarizer: the summariser
     server the parent flow started (agent.search.summarizer.path), None when it serves none."""
-    selection = select_stages(refresh=refresh)
+    stages = StageRunner(select_stages(refresh=refresh), cfg.run)
     root, cache = cfg.run.output_root, cfg.run.cache_root
-    predictions = [submit_infer(selection, retry or [], cfg.eval, cfg.agent, name, model, endpoint, data, root, cache,
-                                summarizer=summarizer) for name in cfg.eval.benchmarks]
+    predictions = [submit_infer(stages.selection, retry or [], cfg.eval, cfg.agent, name, model, endpoint, data, root,
+                                cache, summarizer=summarizer) for name in cfg.eval.benchmarks]
     if not score:
         return {"infer": [p.result() for p in predictions]}
-    scores = [submit_stage(score_task, selection, "score", cfg.eval, p, judge, root, cache) for p in predictions]
+    scores = [stages.submit(score_task, cfg.eval, p, judge) for p in predictions]
     done = scores_as_they_finish(cfg.eval.benchmarks, scores)  # the eval table fills in as each one finishes
     return {"infer": [p.result() for p in predictions], "score": done}
 

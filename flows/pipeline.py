@@ -1,9 +1,12 @@
 """The whole chain as one Prefect flow: data -> bootstrap -> SFT (+ DPO) -> RL -> merge -> heldout -> serve -> infer
 -> score -> report (the order of stages.core.stage_spec.STAGE_SPECS).
 
-Only wiring lives here: every step is a task from tasks/ (cached, retried), the stage selection says which run and which are
-forced to recompute, and servers are torn down in `finally` even when a step fails. The inputs the config names are
-checked before any task (stages.core.inputs), and the data stage runs before the model bootstrap: a bad data file
+Only wiring lives here, one line per stage: every step is a task from tasks/ (cached, retried), called through
+`StageRunner`, which reads the stage off the task and gives it what the stage table and the run section say (its
+refresh from the stage selection, the output and cache roots, its interpreter). A stage with no artifacts of its own
+needs no task module: `stages.run(entry_task("<name>"), ...)` builds its task from its line in
+stages/core/stage_spec.py. Servers are torn down in `finally` even when a step fails. The one pre-flight
+(stages.core.preflight) runs before any task, and the data stage runs before the model bootstrap: a bad data file
 fails in seconds, before a model is downloaded or converted.
 """
 
@@ -15,12 +18,11 @@ from prefect import flow
 
 from flows.evaluate import FANOUT
 from stages.core.config.loader import Override, Profile, load_config
-from stages.core.input_check import check_inputs
 from stages.core.inputs import check_rl_rows
+from stages.core.preflight import preflight
 from stages.core.selection import StageName, select_stages
-from stages.eval.benchmarks import check_benchmarks
 from tasks.bootstrap import bootstrap_task
-from tasks.common import run_stage
+from tasks.common import StageRunner, run_stage
 from tasks.cost import cost_plan_task
 from tasks.data import data_task
 from tasks.eval_score import report_task
@@ -40,38 +42,32 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
     verify: check every byte of each cached output before it is reused (else sizes and small files)."""
     cfg = load_config(profile, overrides or [])  # a bad key fails here, before any work
     selection = select_stages(only, until, refresh, refresh_from)
-    check_inputs(cfg, selection.run)  # so does a missing or malformed input file
-    if selection.runs("infer") and cfg.eval.enabled:
-        check_benchmarks(cfg.eval.benchmarks, cfg.eval.data_root, cfg.eval.max_questions)  # and benchmark files
-    root, cache = cfg.run.output_root, cfg.run.cache_root
+    preflight(cfg, selection)  # so does a missing or malformed input file (passed already when `arpo run` started us)
     run_dir = record_config_task(cfg, selection.describe())
     cost_plan_task(cfg, run_dir)  # what the run will cost, before it starts (arpo plan)
+    stages = StageRunner(selection, cfg.run)  # each call: refresh, output/cache roots, interpreter (run.interpreters)
     refs: dict[str, Any] = {}
     if selection.runs("data"):
-        refs["data"] = data = run_stage(data_task, selection, "data", cfg.data, root)
+        refs["data"] = data = stages.run(data_task, cfg.data)
         if selection.runs("rl"):
             check_rl_rows(cfg.rl, data)  # a train set smaller than a batch fails now, not after SFT
     if not selection.runs("bootstrap"):  # `--until data` checks the data without fetching a model
         return summary_task(run_dir, refs)
-    refs["bootstrap"] = base = model = run_stage(bootstrap_task, selection, "bootstrap", cfg.model, root, cache)
-    python = cfg.run.python_for  # per-stage interpreter (run.interpreters), None = this process
+    refs["bootstrap"] = base = model = stages.run(bootstrap_task, cfg.model)
     if selection.runs("sft"):
-        refs["sft"] = policy = run_stage(sft_task, selection, "sft", cfg.sft, cfg.agent, model, data, root, cache,
-                                         python=python("sft"))
+        refs["sft"] = policy = stages.run(sft_task, cfg.sft, cfg.agent, model, data)
         if cfg.sft.dpo.enabled:  # self-critic DPO belongs to the SFT stage: refreshed with it
-            refs["dpo"] = policy = run_stage(dpo_task, selection, "sft", cfg.sft, cfg.agent, policy, data, root,
-                                             cache, python=python("dpo"))
+            refs["dpo"] = policy = stages.run(dpo_task, cfg.sft, cfg.agent, policy, data)
     if selection.runs("rl"):
-        refs["rl"] = policy = run_stage(rl_task, selection, "rl", cfg.rl, cfg.agent, policy, data, root, cache,
-                                        seed=cfg.run.seed, dtype=cfg.model.dtype, python=python("rl"))
+        refs["rl"] = policy = stages.run(rl_task, cfg.rl, cfg.agent, policy, data, seed=cfg.run.seed,
+                                         dtype=cfg.model.dtype)
     if selection.runs("merge"):
-        refs["merge"] = policy = run_stage(merge_task, selection, "merge", cfg.merge, policy, root,
-                                           python=python("merge"))
+        refs["merge"] = policy = stages.run(merge_task, cfg.merge, policy)
     gains = {}
     if selection.runs("heldout") and cfg.eval.stage_gains.enabled:  # what each stage bought, on one held-out split
         policies = {"base": base, "sft": refs.get("dpo", refs.get("sft")), "rl": refs.get("merge")}
-        gains = {label: run_stage(heldout_task, selection, "heldout", cfg.eval.stage_gains, cfg.agent, ref, data, root,
-                                  cache, label=label) for label, ref in policies.items() if ref is not None}
+        gains = {label: stages.run(heldout_task, cfg.eval.stage_gains, cfg.agent, ref, data, label=label)
+                 for label, ref in policies.items() if ref is not None}
         refs.update({f"heldout-{label}": ref for label, ref in gains.items()})
     if selection.runs("infer") and cfg.eval.enabled:
         refs.update(evaluate(cfg, selection, policy, data, run_dir, gains))
@@ -100,8 +96,7 @@ def evaluate(cfg: Any, selection: Any, model: Any, data: Any, run_dir: str, gain
         out = fanout(cfg, model, data, endpoint, judge, sorted(selection.refresh), selection.runs("score"), needs.retry,
                      summarizer)
         if selection.runs("report"):
-            out["report"] = run_stage(report_task, selection, "report", cfg.eval, out["score"], cfg.run.output_root,
-                                      gains=gains)
+            out["report"] = run_stage(report_task, selection, cfg.eval, out["score"], cfg.run.output_root, gains=gains)
         return out
     finally:
         for endpoint in endpoints:

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction, config_args, stage_args) -> None:
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    from flows.cli import run_pipeline
+    from flows.launch import run_pipeline
     from stages.core.selection import select_stages
     from stages.rehearse.rule import Offline
     from stages.rehearse.run import finish, prepare
@@ -41,7 +41,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     print("seam checks: " + ("; ".join(f"{r.name} ok" for r in prepared.seams) if prepared.seams else "not run"))
     if args.dry_run:
         return 0
-    summary = run_pipeline(args.profile, prepared.overrides, args)
+    summary = run_pipeline(args.profile, prepared.overrides, args, cfg=prepared.cfg)
     print(f"rehearsal:  {finish(prepared, summary)}")
     return 0
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -44,7 +45,8 @@ from stages.core.errors import DeterministicError, InputError
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import Ref
-from stages.core.stage_spec import SPECS
+from stages.core.selection import StageSelection
+from stages.core.stage_spec import StageSpec, spec
 from stages.core.workspace import MARKER, discard_if_damaged, stage_path, verify
 from tasks import live
 
@@ -52,20 +54,32 @@ live.install()  # stage log lines and progress reach the current Prefect run
 log = get_logger(__name__)
 
 R = TypeVar("R")
+TORCH_THREADS_ENV = "ARPO_TORCH_THREADS"  # set by `arpo run` (flows/launch.py), applied by apply_torch_threads
 KeyFn = Callable[..., str]
 
 
 @dataclass
 class StageKey(CachePolicy):
-    """The stage's own key function on the task's inputs (those it names), and the output root."""
+    """The stage's own key function on the task's inputs (those it names), and the output root. The function is
+    `key_fn`, or the table's `target` ("module:function"), imported when the first key is computed: importing a
+    task module imports no stage code."""
 
     stage: str = ""
     key_fn: KeyFn | None = None
+    target: str = ""
+
+    @property
+    def function(self) -> KeyFn:
+        if self.key_fn is None:
+            from stages.core.isolate import resolve
+
+            self.key_fn = resolve(self.target)
+        return self.key_fn
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
         try:
-            folder_key = self.key_fn(**_wanted(self.key_fn, inputs))
+            folder_key = self.function(**_wanted(self.function, inputs))
         except InputError:
             return None  # the stage computes its key first thing and raises this again: the task fails once
         key = cache_key(self.stage, folder_key, inputs["output_root"])
@@ -148,30 +162,44 @@ def retryable(task_: Task, task_run: TaskRun, state: State) -> bool:
 
 
 def stage_task(stage: str, key: KeyFn | None = None, retries: int = 1, retry_delay_seconds: float = 5,
-               tags: tuple[str, ...] = (), timeout_seconds: float | None = None) -> Callable[[Callable[..., R]], Task]:
-    """Decorator for the task of the stage `stage` (a line of stages.core.stage_spec.STAGE_SPECS): cached on the
-    key function the table names, results persisted, idempotent so retried (unless the error is a
-    DeterministicError). The task's name is the stage's, as is its output folder. `key` is for a task outside the
-    table (a test's probe): its own key function, or none (no cache)."""
-    from stages.core.isolate import resolve
-
-    if key is None and stage in SPECS:
-        key = resolve(SPECS[stage].key)
-    policy = StageKey(stage=stage, key_fn=key) if key is not None else NO_CACHE
+               tags: tuple[str, ...] = (), timeout_seconds: float | None = None,
+               off_table: bool = False) -> Callable[[Callable[..., R]], Task]:
+    """Decorator for the task of the stage `stage` (a line of stages.core.stage_spec.STAGE_SPECS; a name not in the
+    table raises, naming the nearest ones): cached on the key function the table names, results persisted,
+    idempotent so retried (unless the error is a DeterministicError). The task's name is the stage's, as is its
+    output folder; its body calls the stage's entry point with `call_entry`. `off_table` is for a task outside the
+    table (a test's probe): cached on `key` when given, else not cached."""
+    if off_table:
+        policy: CachePolicy = StageKey(stage=stage, key_fn=key) if key is not None else NO_CACHE
+    else:
+        policy = StageKey(stage=stage, key_fn=key, target=spec(stage).key_target)
 
     def decorate(fn: Callable[..., R]) -> Task:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> R:
+            apply_torch_threads()
             try:
                 return fn(*args, **kwargs)
             finally:
                 locks.release_thread_locks()  # a stage that failed before finishing its folder lets go of it
 
-        return task(name=stage, cache_policy=policy, persist_result=key is not None, retries=retries,
+        return task(name=stage, cache_policy=policy, persist_result=policy is not NO_CACHE, retries=retries,
                     retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
                     task_run_name=f"{stage}", retry_condition_fn=retryable)(run)
 
     return decorate
+
+
+def apply_torch_threads() -> None:
+    """torch's intra-op threads for the stages running in this process, as `arpo run` chose them at start
+    (run.torch_threads, else the cores free then: flows/launch.py). Applied when a stage task first runs rather
+    than at start, so a fully cached run never imports torch."""
+    wanted = os.environ.get(TORCH_THREADS_ENV)
+    if wanted:
+        import torch
+
+        if torch.get_num_threads() != int(wanted):
+            torch.set_num_threads(int(wanted))
 
 
 class InputErrorLines(logging.Filter):
@@ -206,11 +234,77 @@ def call_stage(target: str, python: str | None, **kwargs: Any) -> Any:
     return resolve(target)(**kwargs)
 
 
-def run_stage(stage_task_: Task, selection: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
-    """Call a stage task, recomputing it (cache entry overwritten, stage folder wiped) when the stage selection says so."""
-    return refreshed(stage_task_, selection.refreshes(stage))(*args, **kwargs)
+def current_stage() -> StageSpec:
+    """The table's line of the stage task running now (its name is the stage's)."""
+    ctx = TaskRunContext.get()
+    if ctx is None:
+        raise RuntimeError("call_entry runs inside a stage task (tasks.common.stage_task)")
+    return spec(ctx.task.name)
 
 
-def submit_stage(stage_task_: Task, selection: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
+def call_entry(python: str | None = None, force: bool | None = None, **kwargs: Any) -> Any:
+    """Call the running stage task's entry point (its line's `entry`) with `kwargs` and `force` (default: whether
+    this task run recomputes, `forced()`), here or under the interpreter `python`."""
+    return call_stage(current_stage().entry, python, **kwargs, force=forced() if force is None else force)
+
+
+@functools.cache
+def entry_task(stage: str) -> Task:
+    """The task of a stage that needs nothing beyond its entry point (no artifacts of its own): the entry's
+    parameters (without `force`; with `python` when the stage may run under another interpreter), cached on the
+    table's key function. A stage whose task publishes artifacts writes its own in tasks/ with `stage_task`."""
+    from stages.core.isolate import resolve
+    from tasks.secrets import export_search_key
+
+    line = spec(stage)
+    params = [p for name, p in inspect.signature(resolve(line.entry)).parameters.items() if name != "force"]
+    if line.isolatable:
+        params.append(inspect.Parameter("python", inspect.Parameter.KEYWORD_ONLY, default=None))
+
+    signature = inspect.Signature(params)
+
+    def run_entry(*args: Any, **kwargs: Any) -> Any:
+        inputs = signature.bind(*args, **kwargs).arguments
+        if "agent" in line.sections and "agent" in inputs:
+            export_search_key(inputs["agent"])  # as every task of a stage that runs the agent's tools
+        return call_entry(**inputs)
+
+    run_entry.__signature__ = signature  # type: ignore[attr-defined]  # the task's parameters are the entry's
+    run_entry.__name__ = run_entry.__qualname__ = f"{stage}_task"
+    return stage_task(stage)(run_entry)
+
+
+def run_stage(stage_task_: Task, selection: StageSelection, *args: Any, **kwargs: Any) -> Any:
+    """Call a stage task, recomputing it (cache entry overwritten, stage folder wiped) when the stage selection
+    refreshes its stage (read off the task: its name)."""
+    return refreshed(stage_task_, selection.refreshes(stage_task_.name))(*args, **kwargs)
+
+
+def submit_stage(stage_task_: Task, selection: StageSelection, *args: Any, **kwargs: Any) -> Any:
     """Like run_stage, but submitted to the flow's task runner (for fan-out); returns a future."""
-    return refreshed(stage_task_, selection.refreshes(stage)).submit(*args, **kwargs)
+    return refreshed(stage_task_, selection.refreshes(stage_task_.name)).submit(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class StageRunner:
+    """The stage tasks of one pipeline run, one call each: the stage is read off the task (its name), recomputed
+    when the selection refreshes it, and given the run-level inputs its task takes and the call leaves out:
+    `output_root` and `cache_root` (run.output_root, run.cache_root) and, for a stage the table lets run under
+    another interpreter, `python` (run.interpreters)."""
+
+    selection: StageSelection
+    run_section: Any  # stages.core.config.run.RunSection
+
+    def run(self, stage_task_: Task, *args: Any, **kwargs: Any) -> Any:
+        return run_stage(stage_task_, self.selection, *args, **self._inputs(stage_task_, kwargs))
+
+    def submit(self, stage_task_: Task, *args: Any, **kwargs: Any) -> Any:
+        return submit_stage(stage_task_, self.selection, *args, **self._inputs(stage_task_, kwargs))
+
+    def _inputs(self, stage_task_: Task, kwargs: dict[str, Any]) -> dict[str, Any]:
+        line = spec(stage_task_.name)
+        run = {"output_root": self.run_section.output_root, "cache_root": self.run_section.cache_root}
+        if line.isolatable:
+            run["python"] = self.run_section.python_for(line.name)
+        takes = inspect.signature(stage_task_.fn).parameters
+        return {**{k: v for k, v in run.items() if k in takes}, **kwargs}

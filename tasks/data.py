@@ -2,14 +2,13 @@ from __future__ import annotations
 
 from stages.core.config.data import DataSection
 from stages.core.refs import DatasetRef
-from stages.data import prepare_data
 from tasks.artifacts import publish_table
-from tasks.common import forced, stage_task
+from tasks.common import call_entry, stage_task
 
 
 @stage_task("data")
 def data_task(cfg: DataSection, output_root: str) -> DatasetRef:
-    ref = prepare_data(cfg, output_root, force=forced())
+    ref = call_entry(cfg=cfg, output_root=output_root)
     publish_table("data-files", [{"role": role, "path": path} for role, path in ref.files.items()],
                   f"Data ({cfg.source}) in {ref.path}")
     return ref

@@ -14,9 +14,9 @@ from typing import Any
 from stages.core.config.agent import AgentSection
 from stages.core.config.eval import EvalSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
-from stages.eval.inference import run_inference
+from stages.core.selection import StageSelection
 from tasks.artifacts import publish_table
-from tasks.common import forced, refreshed, stage_task
+from tasks.common import call_entry, forced, refreshed, stage_task
 from tasks.secrets import export_search_key
 
 
@@ -25,8 +25,9 @@ def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRe
            data: DatasetRef, output_root: str, cache_root: str, retry: bool = False,
            summarizer: EndpointRef | None = None) -> PredictionsRef:
     export_search_key(agent)
-    ref = run_inference(cfg, agent, benchmark, model, endpoint, data, output_root, cache_root,
-                        force=forced() and not retry, summarizer=summarizer)
+    ref = call_entry(cfg=cfg, agent=agent, benchmark=benchmark, model=model, endpoint=endpoint, data=data,
+                     output_root=output_root, cache_root=cache_root, force=forced() and not retry,
+                     summarizer=summarizer)
     publish_table(f"infer-{benchmark}", [{"benchmark": benchmark, **ref.meta, "path": ref.path}],
                   f"Predictions for {benchmark}")
     return ref
@@ -35,10 +36,11 @@ def _infer(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRe
 infer_task = _infer.with_options(task_run_name="infer-{benchmark}")
 
 
-def submit_infer(selection: Any, retry: list[str], cfg: EvalSection, agent: AgentSection, benchmark: str,
+def submit_infer(selection: StageSelection, retry: list[str], cfg: EvalSection, agent: AgentSection, benchmark: str,
                  *args: Any, summarizer: EndpointRef | None = None) -> Any:
-    """Submit one benchmark's inference: recomputed when the stage selection refreshes `infer`; run again without a wipe
-    (only its infra-failed samples) when it is in `retry`. `summarizer`: the served summariser's endpoint."""
-    again = benchmark in retry and not selection.refreshes("infer")
-    return refreshed(infer_task, selection.refreshes("infer") or again).submit(cfg, agent, benchmark, *args, retry=again,
-                                                                          summarizer=summarizer)
+    """Submit one benchmark's inference: recomputed when the stage selection refreshes `infer`; run again without a
+    wipe (only its infra-failed samples) when it is in `retry`. `summarizer`: the served summariser's endpoint."""
+    refresh = selection.refreshes(infer_task.name)
+    again = benchmark in retry and not refresh
+    return refreshed(infer_task, refresh or again).submit(cfg, agent, benchmark, *args, retry=again,
+                                                          summarizer=summarizer)

@@ -9,16 +9,14 @@ from prefect.futures import PrefectFuture, as_completed
 
 from stages.core.config.eval import EvalSection
 from stages.core.refs import EndpointRef, PredictionsRef, Ref, ScoresRef
-from stages.eval.report import build_report, progress_rows
-from stages.eval.scoring import score_predictions
 from tasks.artifacts import publish_markdown, publish_table
-from tasks.common import forced, stage_task
+from tasks.common import call_entry, stage_task
 
 
 @stage_task("score")
 def _score(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRef | None, output_root: str,
            cache_root: str) -> ScoresRef:
-    return score_predictions(cfg, preds, judge, output_root, cache_root, force=forced())
+    return call_entry(cfg=cfg, preds=preds, judge=judge, output_root=output_root, cache_root=cache_root)
 
 
 score_task = _score.with_options(task_run_name="score")
@@ -27,7 +25,7 @@ score_task = _score.with_options(task_run_name="score")
 @stage_task("report")
 def report_task(cfg: EvalSection, scores: list[ScoresRef], output_root: str,
                 gains: dict[str, ScoresRef] | None = None) -> Ref:
-    ref = build_report(cfg, scores, output_root, gains=gains, force=forced())
+    ref = call_entry(cfg=cfg, scores=scores, output_root=output_root, gains=gains)
     publish_table("eval-report", ref.meta["rows"], f"Evaluation over {len(scores)} benchmarks ({ref.meta['csv']})")
     if ref.meta["stage_gains"]:
         publish_table("stage-gains", ref.meta["stage_gains"], "What each stage bought: held-out accuracy per policy")
@@ -38,6 +36,8 @@ def report_task(cfg: EvalSection, scores: list[ScoresRef], output_root: str,
 
 def scores_as_they_finish(benchmarks: list[str], futures: list[PrefectFuture]) -> list[ScoresRef]:
     """Wait for the score tasks, republishing the `eval-scores` table each time a benchmark is scored."""
+    from stages.eval.report import progress_rows
+
     names = dict(zip(futures, benchmarks))
     done: dict[str, dict[str, Any]] = {}
     for future in as_completed(futures):

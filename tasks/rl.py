@@ -2,7 +2,8 @@
 runs (stages.core.reporter -> tasks/live.py); the task publishes the run's algorithm card (`rl-algorithm-card`,
 stages/rl/card.py) before calling the stage.
 
-`python` runs the stage under another interpreter (config `run.interpreters`); the key functions ask that
+`python` runs the stage under another interpreter (config `run.interpreters`, filled in by the flow's
+tasks.common.StageRunner); the entry points are the stage table's (`call_entry`); the key functions ask that
 interpreter what they need of it (verl's version), and the RL settings that only watch the run (alarms, artifact
 refresh) are not part of the key (stages.rl.trainer.training_identity, used by stages.rl.stage.rl_key).
 """
@@ -13,9 +14,8 @@ from stages.core.config.agent import AgentSection
 from stages.core.config.merge import MergeSection
 from stages.core.config.rl import RLSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
-from stages.rl.card import algorithm_card, card_table
 from tasks.artifacts import publish_table
-from tasks.common import call_stage, forced, stage_task
+from tasks.common import call_entry, stage_task
 from tasks.secrets import export_search_key
 
 
@@ -25,12 +25,14 @@ def rl_task(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
             python: str | None = None) -> CheckpointRef:
     export_search_key(agent)
     publish_card(cfg)
-    return call_stage("stages.rl.stage:run_rl", python, cfg=cfg, agent=agent, policy=policy, data=data,
-                      output_root=output_root, cache_root=cache_root, seed=seed, force=forced(), dtype=dtype)
+    return call_entry(python, cfg=cfg, agent=agent, policy=policy, data=data, output_root=output_root,
+                      cache_root=cache_root, seed=seed, dtype=dtype)
 
 
 def publish_card(cfg: RLSection) -> None:
     """The run's algorithm card as the `rl-algorithm-card` table (stages/rl/card.py)."""
+    from stages.rl.card import algorithm_card, card_table
+
     card = algorithm_card(cfg)
     publish_table("rl-algorithm-card", card_table(card), f"{cfg.algorithm} on the {cfg.engine} engine vs the "
                   f"published run {card.reference.name}: each mechanism, same or differs and why (docs/reference.md)")
@@ -38,8 +40,7 @@ def publish_card(cfg: RLSection) -> None:
 
 @stage_task("merge")
 def merge_task(cfg: MergeSection, ckpt: CheckpointRef, output_root: str, python: str | None = None) -> ModelRef:
-    model = call_stage("stages.rl.merge:merge_checkpoint", python, cfg=cfg, ckpt=ckpt, output_root=output_root,
-                       force=forced())
+    model = call_entry(python, cfg=cfg, ckpt=ckpt, output_root=output_root)
     publish_table("merge-parity", [{"source": ckpt.path, "format": ckpt.format, "merged": model.path,
                                     "dtype": cfg.dtype, "max_abs_diff": model.meta.get("max_abs_diff"),
                                     "parity_atol": model.meta.get("parity_atol")}], "merge parity probe")

@@ -1,5 +1,6 @@
-"""Before any work: every input file the planned stages' config sections name, and every interpreter they run
-under, checked (stages.core.inputs checks one field; stages.core.stage_spec says which sections a stage reads).
+"""Before any work: every input file the selected stages' config sections name, and every interpreter they run
+under, checked (stages.core.inputs checks one field; stages.core.stage_spec says which sections a stage reads and
+how to build a stage's interpreter). Part of the one pre-flight, stages.core.preflight.
 
 Kept apart from stages.core.inputs, which the config models import: the stage table it reads is then part of no
 stage's code version, and adding a stage recomputes none.
@@ -14,8 +15,7 @@ from pydantic import BaseModel
 
 from stages.core.errors import MissingInputError
 from stages.core.inputs import check_input, resolve
-from stages.core.stage_spec import STAGE_SPECS
-from stages.core.stage_spec import spec as stage_spec
+from stages.core.stage_spec import table
 
 
 def check_inputs(cfg: BaseModel, stages: Iterable[str]) -> None:
@@ -23,7 +23,7 @@ def check_inputs(cfg: BaseModel, stages: Iterable[str]) -> None:
     first problem as an InputError (MissingInputError for a missing file)."""
     wanted = set(stages)
     # in the table's order, so the same config fails on the same problem every time (a set's order varies by run)
-    for name in dict.fromkeys(section for s in STAGE_SPECS if s.name in wanted for section in s.sections):
+    for name in dict.fromkeys(section for s in table().specs if s.selected_as in wanted for section in s.sections):
         if hasattr(cfg, name):
             for key, value, spec in _inputs(getattr(cfg, name), name):
                 check_input(key, value, spec)
@@ -36,9 +36,9 @@ def check_interpreters(cfg: BaseModel, stages: set[str]) -> None:
     run = getattr(cfg, "run", None)
     for stage, python in (getattr(run, "interpreters", None) or {}).items():
         path = resolve(python, project_relative=True)
-        if (stage_spec(stage).part_of or stage) in stages and not path.is_file():
-            hint = {"rl": " (./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
-                          ".venv-verl-cpu)"}.get(stage, "")
+        line = table().spec(stage)
+        if line.selected_as in stages and not path.is_file():
+            hint = f" ({line.interpreter_hint})" if line.interpreter_hint else ""
             raise MissingInputError(f"run.interpreters.{stage}={python}: {path} does not exist; build that "
                                     f"environment{hint}, or remove run.interpreters.{stage} to run the stage in "
                                     "this process")

@@ -36,7 +36,7 @@ START, END = "<!-- key-coverage:start -->", "<!-- key-coverage:end -->"
 
 
 def key_module(spec: StageSpec) -> str:
-    return spec.key.partition(":")[0]
+    return spec.module
 
 
 def package(module: str) -> str:
@@ -95,7 +95,7 @@ def table() -> str:
     for spec in STAGE_SPECS:
         cover = coverage(spec)
         models = ", ".join(m.removeprefix(f"{CONFIG}.") for m in cover["config"]) or "-"
-        rows.append(f"| {spec.name} | `{spec.key}` | {', '.join(spec.sections)} | "
+        rows.append(f"| {spec.name} | `{spec.key_target}` | {', '.join(spec.sections)} | "
                     f"{', '.join(p.removeprefix('stages.') for p in cover['code'])} | {models} |")
     return "\n".join(rows)
 

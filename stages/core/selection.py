@@ -7,14 +7,17 @@ report, served by one policy server).
 - only=[S]: run S; its upstream still runs but is served from cache (it is needed for S's inputs).
 - refresh=[S]: recompute S even if cached. Its downstream follows on its own: S's output fingerprint changes.
 - refresh_from=S: recompute S and everything after it.
+
+Every name is checked against the table: a misspelled one fails with the nearest names, whether it comes from the
+command line or from code asking `selection.runs("infr")`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.core.errors import DeterministicError
-from stages.core.stage_spec import GROUPS, STAGES, StageName
+from stages.core.errors import DeterministicError, InputError
+from stages.core.stage_spec import GROUPS, STAGES, StageName, table
 
 __all__ = ["GROUPS", "STAGES", "SelectionError", "StageName", "StageSelection", "expand", "select_stages"]
 
@@ -23,16 +26,20 @@ class SelectionError(ValueError, DeterministicError):
     pass
 
 
+class UnknownStageName(SelectionError, InputError):
+    """A selection names no stage or group of the table; the message names the nearest ones."""
+
+
 def expand(names: list[str] | tuple[str, ...]) -> list[str]:
+    stages, groups = table().stages, table().groups
     out: list[str] = []
     for name in names:
-        if name in GROUPS:
-            out.extend(GROUPS[name])
-        elif name in STAGES:
+        if name in groups:
+            out.extend(groups[name])
+        elif name in stages:
             out.append(name)
         else:
-            groups = ", ".join(f"'{g}' for {'+'.join(members)}" for g, members in GROUPS.items())
-            raise SelectionError(f"unknown stage {name!r}; stages are {list(STAGES)} (or {groups})")
+            raise UnknownStageName(table().unknown(name, selectable=True))
     return out
 
 
@@ -42,28 +49,37 @@ class StageSelection:
     refresh: frozenset[str]
 
     def runs(self, stage: str) -> bool:
-        return stage in self.run
+        return _selected_as(stage) in self.run
 
     def refreshes(self, stage: str) -> bool:
-        return stage in self.refresh
+        """Whether `stage` recomputes (a stage that belongs to another, DPO to SFT, follows it)."""
+        return _selected_as(stage) in self.refresh
 
     def describe(self) -> str:
-        order = [s for s in STAGES if s in self.run]
+        order = [s for s in table().stages if s in self.run]
         return " -> ".join(f"{s}{' (refresh)' if s in self.refresh else ''}" for s in order)
+
+
+def _selected_as(stage: str) -> str:
+    try:
+        return table().spec(stage).selected_as
+    except KeyError:
+        raise UnknownStageName(table().unknown(stage)) from None
 
 
 def select_stages(only: list[str] | None = None, until: str | None = None, refresh: list[str] | None = None,
                   refresh_from: str | None = None) -> StageSelection:
     if only and until:
         raise SelectionError("use either `only` or `until`, not both")
-    last = len(STAGES) - 1
+    stages = table().stages
+    last = len(stages) - 1
     if until:
-        last = max(STAGES.index(s) for s in expand([until]))
+        last = max(stages.index(s) for s in expand([until]))
     if only:
-        last = max(STAGES.index(s) for s in expand(only))
-    run = set(STAGES[: last + 1])
+        last = max(stages.index(s) for s in expand(only))
+    run = set(stages[: last + 1])
     forced = set(expand(refresh or []))
     if refresh_from:
-        first = min(STAGES.index(s) for s in expand([refresh_from]))
-        forced |= set(STAGES[first:])
+        first = min(stages.index(s) for s in expand([refresh_from]))
+        forced |= set(stages[first:])
     return StageSelection(run=frozenset(run), refresh=frozenset(forced & run))

@@ -1,63 +1,104 @@
 """The stages of the pipeline, one line each: every other fact about a stage is derived from this table.
 
 Derived from it: the stage order and the names `--only/--until/--refresh` take (stages.core.selection), the
-`StageName` type of the flow parameters, which config sections' input files are checked before a run
-(stages.core.input_check), which stages may run under another interpreter (run.interpreters), each stage task's
-key function and output folder (tasks.common.stage_task: the folder under run.output_root is the stage's name), and
-the `stage-<name>` deployments (prefect.yaml, diffed against this table by tests/unit/test_stage_spec.py).
+`StageName` type of the flow parameters, which config sections' input files are checked before a run and which
+other pre-flight checks run (stages.core.preflight), which stages may run under another interpreter
+(run.interpreters), each stage task's entry point, key function and output folder (tasks.common: the task's name is
+the stage's, the folder under run.output_root too), and the `stage-<name>` deployments (the generated section of
+prefect.yaml: `python -m flows.deployments --write`, checked by tests/unit/test_stage_spec.py).
 
-Adding a stage: one line here, one wiring line in flows/pipeline.py, the stage's own package under stages/ (its
-key function hashes `code_version(__name__)`), and its thin task in tasks/.
+Adding a stage: one line here, its own package under stages/ (its entry point and its key function, which hashes
+`code_version(__name__)`), and one wiring line in flows/pipeline.py (`stages.run(entry_task("<name>"), ...)`, or
+a task of its own in tasks/ when it publishes artifacts).
 
 No stage module imports this table (a test holds that), so adding a stage leaves every other stage's key as it was.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal
+
+from stages.core.errors import InputError
+
+# the pre-flight checks a stage asks for ("module:function", called as fn(cfg, stages) before any work when the
+# stage runs; each distinct check runs once per run, in the order the table first names it: stages.core.preflight)
+SEAMS = "stages.sft.seam_preflight:preflight_seams"   # where SFT, RL and eval would tokenize differently
+MEMORY = "stages.cost.memory:check_memory"            # a verl run whose memory estimate exceeds the GPU
+BENCHMARKS = "stages.eval.preflight:preflight_benchmarks"     # every configured benchmark's files
 
 
 @dataclass(frozen=True)
 class StageSpec:
     """name: the stage's name, its output folder under run.output_root and its Prefect task name.
     sections: the config sections it reads (their input files are checked before a run that includes it; its key
-    may cover their models and no other section's). key: "module:function" of its key function (folder name and
-    Prefect cache key). isolatable: may run under another interpreter (run.interpreters.<name>). part_of: a stage
-    selected, refreshed and deployed with another (DPO belongs to SFT). group: the selection group it belongs to
-    (`eval` = infer + score + report), which is also its deployment."""
+    may cover their models and no other section's). entry: "module:function" of its entry point; that module also
+    holds `key`, the name of its key function (folder name and Prefect cache key). isolatable: may run under another
+    interpreter (run.interpreters.<name>; `interpreter_hint` says how to build one). part_of: a stage selected,
+    refreshed and deployed with another (DPO belongs to SFT). group: the selection group it belongs to (`eval` =
+    infer + score + report), which is also its deployment. checks: the pre-flight checks it needs beyond its input
+    files."""
 
     name: str
     sections: tuple[str, ...]
+    entry: str
     key: str
     isolatable: bool = False
     part_of: str | None = None
     group: str | None = None
+    checks: tuple[str, ...] = ()
+    interpreter_hint: str = ""
+
+    @property
+    def module(self) -> str:
+        """The stage's entry module: its key function lives there and hashes its code version."""
+        return self.entry.partition(":")[0]
+
+    @property
+    def key_target(self) -> str:
+        """"module:function" of the key function."""
+        return f"{self.module}:{self.key}"
 
     @property
     def selectable(self) -> bool:
         return self.part_of is None
 
     @property
+    def selected_as(self) -> str:
+        """The name the stage selection knows it by (DPO runs and refreshes as part of SFT)."""
+        return self.part_of or self.name
+
+    @property
     def deployment(self) -> str:
         """The stage deployment that runs it alone (its upstream from cache)."""
-        return f"stage-{self.group or self.part_of or self.name}"
+        return f"stage-{self.group or self.selected_as}"
 
 
 STAGE_SPECS: tuple[StageSpec, ...] = (
     # data first: a bad data file fails in seconds, before a model is downloaded or converted
-    StageSpec("data", ("data",), "stages.data.prepare:data_key"),
-    StageSpec("bootstrap", ("model",), "stages.bootstrap.model:bootstrap_key"),
-    StageSpec("sft", ("sft", "agent"), "stages.sft.stage:sft_key", isolatable=True),
-    StageSpec("dpo", ("sft", "agent"), "stages.sft.dpo:dpo_key", isolatable=True, part_of="sft"),
-    StageSpec("rl", ("rl", "agent"), "stages.rl.stage:rl_key", isolatable=True),
-    StageSpec("merge", ("merge",), "stages.rl.merge:merge_key", isolatable=True),
-    StageSpec("heldout", ("eval", "agent"), "stages.heldout.evaluate:heldout_key"),
-    StageSpec("infer", ("eval", "agent", "serve"), "stages.eval.inference:infer_key", group="eval"),
-    StageSpec("score", ("eval",), "stages.eval.scoring:scoring_key", group="eval"),
-    StageSpec("report", ("eval",), "stages.eval.report:report_key", group="eval"),
+    StageSpec("data", ("data",), "stages.data.prepare:prepare_data", "data_key"),
+    StageSpec("bootstrap", ("model",), "stages.bootstrap.model:bootstrap_model", "bootstrap_key"),
+    StageSpec("sft", ("sft", "agent"), "stages.sft.stage:run_sft", "sft_key", isolatable=True, checks=(SEAMS,)),
+    StageSpec("dpo", ("sft", "agent"), "stages.sft.dpo:run_dpo", "dpo_key", isolatable=True, part_of="sft"),
+    StageSpec("rl", ("rl", "agent"), "stages.rl.stage:run_rl", "rl_key", isolatable=True, checks=(SEAMS, MEMORY),
+              interpreter_hint="./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
+                               ".venv-verl-cpu"),
+    StageSpec("merge", ("merge",), "stages.rl.merge:merge_checkpoint", "merge_key", isolatable=True),
+    StageSpec("heldout", ("eval", "agent"), "stages.heldout.evaluate:evaluate_heldout", "heldout_key",
+              checks=(SEAMS,)),
+    StageSpec("infer", ("eval", "agent", "serve"), "stages.eval.inference:run_inference", "infer_key", group="eval",
+              checks=(SEAMS, BENCHMARKS)),
+    StageSpec("score", ("eval",), "stages.eval.scoring:score_predictions", "scoring_key", group="eval"),
+    StageSpec("report", ("eval",), "stages.eval.report:build_report", "report_key", group="eval"),
 )
 
+
+class UnknownStageError(InputError, KeyError):
+    """A stage name that is not in the table; the message names the nearest ones (a config error: not retried)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; the sentence reads better plain
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -87,22 +128,57 @@ class StageTable:
     def deployments(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.deployment for s in self.specs))
 
+    @property
+    def names_type(self) -> object:
+        """The Literal of every name a selection takes (stages and groups): the flows' parameter type."""
+        return Literal[self.stages + tuple(self.groups)]  # type: ignore[valid-type]
+
     def reading(self, section: str) -> tuple[str, ...]:
         """The stages whose inputs include the config section `section`."""
         return tuple(s.name for s in self.specs if section in s.sections)
+
+    def checks(self, stages: set[str] | frozenset[str]) -> tuple[str, ...]:
+        """The pre-flight checks the stages `stages` need, each once, in the order the table first names it."""
+        return tuple(dict.fromkeys(c for s in self.specs if s.name in stages for c in s.checks))
+
+    def checked_by(self, check: str) -> tuple[str, ...]:
+        """The stages that need the pre-flight check `check`."""
+        return tuple(s.name for s in self.specs if check in s.checks)
+
+    def spec(self, name: str) -> StageSpec:
+        for s in self.specs:
+            if s.name == name:
+                return s
+        raise UnknownStageError(self.unknown(name))
+
+    def unknown(self, name: object, selectable: bool = False) -> str:
+        """What to say about a name that is not a stage (with `selectable`: not one a selection takes): the nearest
+        names, then every name."""
+        part = next((s for s in self.specs if s.name == name and not s.selectable), None) if selectable else None
+        if part is not None:
+            return f"stage {name!r} runs and refreshes as part of {part.part_of!r}: select {part.part_of!r}"
+        known = (*self.stages, *self.groups) if selectable else tuple(s.name for s in self.specs)
+        close = difflib.get_close_matches(name, known, n=3) if isinstance(name, str) else []
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        groups = ", ".join(f"'{g}' for {'+'.join(members)}" for g, members in self.groups.items())
+        return (f"unknown stage {name!r}{hint}; the stages are {', '.join(self.stages if selectable else known)}"
+                + (f" (or {groups})" if selectable and groups else "") + " (stages/core/stage_spec.py)")
 
 
 TABLE = StageTable(STAGE_SPECS)
 SPECS: dict[str, StageSpec] = {s.name: s for s in STAGE_SPECS}
 STAGES: tuple[str, ...] = TABLE.stages
 GROUPS: dict[str, tuple[str, ...]] = TABLE.groups
-StageName = Literal[STAGES + tuple(GROUPS)]  # type: ignore[valid-type]  # the flows' parameter type, from the table
+StageName = TABLE.names_type  # the flows' parameter type, from the table
 ISOLATABLE: tuple[str, ...] = TABLE.isolatable
 DEPLOYMENTS: tuple[str, ...] = TABLE.deployments
 
 
+def table() -> StageTable:
+    """The stage table as it is now (read at call time, so a test that adds a line sees it everywhere)."""
+    return TABLE
+
+
 def spec(name: str) -> StageSpec:
-    try:
-        return SPECS[name]
-    except KeyError:
-        raise KeyError(f"no stage {name!r} in stages.core.stage_spec.STAGE_SPECS; stages are {list(SPECS)}") from None
+    """The line of stage `name`; an unknown name raises UnknownStageError naming the nearest ones."""
+    return table().spec(name)

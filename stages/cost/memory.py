@@ -2,7 +2,7 @@
 
     est = memory_estimate(cfg)     # None: not the verl engine, or the model is not in stages/core/archs.py
     est.phases                     # rollout, old_log_prob, [ref_log_prob], actor_update: GiB per GPU, by part
-    check_memory(cfg, stages)      # `arpo run`: BadInputError naming the phase and the setting that fixes it
+    check_memory(cfg, stages)      # pre-flight: BadInputError naming the phase and the setting that fixes it
 
 Each phase is the sum of what is resident on the GPU (FSDP shards, optimizer state, the reference model) and what
 the phase materialises at its worst micro-batch: verl's dynamic-batching partition of one GPU's sequences is
@@ -287,9 +287,8 @@ def memory_problem(est: MemoryEstimate) -> str | None:
 
 
 def check_memory(cfg: RunConfig, stages: Any) -> MemoryEstimate | None:
-    """`arpo run`'s pre-flight: refuse a verl RL run whose estimated peak exceeds the device."""
-    if "rl" not in set(stages):
-        return None
+    """The RL stage's pre-flight check (stages/core/stage_spec.py names it; stages.core.preflight runs it when RL
+    runs): refuse a verl RL run whose estimated peak exceeds the device."""
     est = memory_estimate(cfg)
     problem = memory_problem(est) if est else None
     if problem:

@@ -27,7 +27,8 @@ from stages.core.config.agent import AgentSection
 from stages.core.config.eval import EvalSection
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
-from stages.core.workspace import MARKER
+from stages.core.workspace import MARKER, stage_path
+from stages.eval import inference, scoring
 from stages.eval.search_mode import serves_summarizer
 from stages.eval.serving import expected_endpoint, expected_judge
 
@@ -49,23 +50,17 @@ class ServingNeeds(BaseModel):
     gpus: dict[str, list[int]] = {}  # role (policy | judge | summarizer) -> GPUs (stages/eval/placement.py); {} on CPU
 
 
-def _marker(output_root: str | Path, stage: str, key: str) -> Path:
-    return Path(output_root).resolve() / stage / key / MARKER
-
-
 def inference_marker(cfg: EvalSection, agent: AgentSection, benchmark: str, model: ModelRef,
                      endpoint: EndpointRef, data: DatasetRef, output_root: str | Path) -> dict | None:
     """The completion marker of the benchmark's predictions for this endpoint identity, or None."""
     import json
 
-    from stages.eval.inference import STAGE, infer_key
-
     try:
-        key = infer_key(cfg, agent, benchmark, model, endpoint, data)
+        key = inference.infer_key(cfg, agent, benchmark, model, endpoint, data)
     except (OSError, ValueError) as err:  # the inference task reports it properly
         log.info("%s: cannot tell whether inference is cached (%s); serving", benchmark, err)
         return None
-    marker = _marker(output_root, STAGE, key)
+    marker = stage_path(output_root, inference.STAGE, key) / MARKER
     return json.loads(marker.read_text()) if marker.is_file() else None
 
 
@@ -79,14 +74,13 @@ def finished_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, mo
 
 def finished_scoring(cfg: EvalSection, benchmark: str, predictions_fingerprint: str, judge: EndpointRef | None,
                      output_root: str | Path) -> bool:
-    from stages.eval.scoring import STAGE, scoring_key
-
     preds = PredictionsRef(path="", fingerprint=predictions_fingerprint, benchmark=benchmark)
-    return _marker(output_root, STAGE, scoring_key(cfg, preds, judge)).is_file()
+    return (stage_path(output_root, scoring.STAGE, scoring.scoring_key(cfg, preds, judge)) / MARKER).is_file()
 
 
 def serving_needs(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str], score: bool) -> ServingNeeds:
     """`cfg` is the RunConfig; `refresh` the stages this run recomputes; `score` whether it scores."""
+    infer, rescore = inference.STAGE in refresh, scoring.STAGE in refresh
     root = cfg.run.output_root
     policy = expected_endpoint(cfg.serve, model)
     judge = expected_judge(cfg.eval.judge, policy) if score else None
@@ -94,15 +88,13 @@ def serving_needs(cfg: Any, model: ModelRef, data: DatasetRef, refresh: list[str
     missing: list[str] = []
     retry: list[str] = []
     for name in cfg.eval.benchmarks:
-        done = None if "infer" in refresh else finished_inference(cfg.eval, cfg.agent, name, model, policy, data,
-                                                                 root)
+        done = None if infer else finished_inference(cfg.eval, cfg.agent, name, model, policy, data, root)
         if done is None:
             missing.append(f"infer:{name}")
-            marker = None if "infer" in refresh else inference_marker(cfg.eval, cfg.agent, name, model, policy,
-                                                                      data, root)
+            marker = None if infer else inference_marker(cfg.eval, cfg.agent, name, model, policy, data, root)
             if marker and marker.get("infra_failed"):
                 retry.append(name)
-        elif judged and ("score" in refresh or not finished_scoring(cfg.eval, name, done, judge, root)):
+        elif judged and (rescore or not finished_scoring(cfg.eval, name, done, judge, root)):
             missing.append(f"score:{name}")
     need_judge = judged and bool(missing)
     need_policy = any(m.startswith("infer:") for m in missing) or (need_judge and cfg.eval.judge.model == "policy")

@@ -6,7 +6,8 @@ included), `thinking` (an empty `<think>` block SFT adds that the RL/eval prompt
 tags and stop strings survive encode/decode and are found by the stop matcher), `special_ids` (eos ends a turn,
 pad is not a prompt token) and `lengths` (prompt limits and context budgets within the model's
 max_position_embeddings). `raise_failures` turns failed checks into one input error. The pre-flight that finds
-the tokenizer of a profile and runs these is `stages/rehearse/seam_preflight.py`.
+the tokenizer of a profile and runs these is `stages/sft/seam_preflight.py` (one check of the run's pre-flight,
+stages.core.preflight).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def _prefect(prefect_harness):
 @flow
 def data_flow(seed: int, root: str, verify: bool = False) -> tuple[str, Ref]:
     cfg = load_config("tiny-cpu", [f"data.synthetic.seed={seed}"])
-    state = run_stage(data_task, select_stages(), "data", cfg.data, root, return_state=True)
+    state = run_stage(data_task, select_stages(), cfg.data, root, return_state=True)
     return state.name, state.result()
 
 
@@ -62,7 +62,7 @@ def test_damaged_or_vanished_output_is_recomputed_with_a_warning(tmp_path: Path,
     assert f"cached output of stage data is gone ({folder}); recomputing it" in caplog.text
 
 
-@stage_task("weights-probe", lambda name: name)
+@stage_task("weights-probe", lambda name: name, off_table=True)
 def weights_task(name: str, output_root: str) -> Ref:
     """A stage shaped like merge: a large weights file handed on by path."""
     out = stage_dir(output_root, "weights-probe", name, force=forced())

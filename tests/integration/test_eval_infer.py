@@ -232,7 +232,7 @@ def test_switching_endpoints_recomputes_moving_one_does_not(endpoint, tiny_model
 
     @flow
     def infer(served: EndpointRef, refresh: bool) -> tuple[str, str]:
-        state = run_stage(infer_task, select_stages(refresh=["infer"] if refresh else []), "infer", cfg,
+        state = run_stage(infer_task, select_stages(refresh=["infer"] if refresh else []), cfg,
                           tiny_config.agent, "synthetic", tiny_model, served, synthetic_data, str(tmp_path),
                           str(PROJECT_ROOT / ".cache"), return_state=True)
         return state.name, state.result().fingerprint

@@ -30,10 +30,10 @@ def two_stages(overrides: list[str], refresh: list[str]) -> dict[str, str]:
     cfg = load_config("tiny-cpu", overrides)
     selection = select_stages(refresh=refresh)
     states = {}
-    states["bootstrap"] = run_stage(bootstrap_task, selection, "bootstrap", cfg.model, str(TEST_OUTPUTS),
+    states["bootstrap"] = run_stage(bootstrap_task, selection, cfg.model, str(TEST_OUTPUTS),
                                     str(PROJECT_ROOT / ".cache"), return_state=True)
     # the data stage keys on its own section only; a refreshed bootstrap would not change it
-    states["data"] = run_stage(data_task, selection, "data", cfg.data, str(TEST_OUTPUTS / "flowtest"), return_state=True)
+    states["data"] = run_stage(data_task, selection, cfg.data, str(TEST_OUTPUTS / "flowtest"), return_state=True)
     return {name: state.name for name, state in states.items()}
 
 
@@ -62,14 +62,14 @@ def test_refreshed_output_gets_a_new_fingerprint(tmp_path: Path) -> None:
     @flow
     def data_only(refresh: bool) -> str:
         selection = select_stages(refresh=["data"] if refresh else [])
-        return run_stage(data_task, selection, "data", cfg.data, str(tmp_path)).fingerprint
+        return run_stage(data_task, selection, cfg.data, str(tmp_path)).fingerprint
 
     first = data_only(False)
     assert data_only(False) == first
     assert data_only(True) != first       # downstream keys on the fingerprint, so it recomputes too
 
 
-@stage_task("data-isolated", data_key)
+@stage_task("data-isolated", data_key, off_table=True)
 def isolated_data_task(cfg: DataSection, output_root: str, python: str | None = None) -> DatasetRef:
     return call_stage("stages.data.prepare:prepare_data", python, cfg=cfg, output_root=output_root, force=forced())
 
@@ -77,8 +77,7 @@ def isolated_data_task(cfg: DataSection, output_root: str, python: str | None = 
 @flow
 def isolated_data(seed: int, python: str | None) -> tuple[str, DatasetRef]:
     cfg = load_config("tiny-cpu", [f"data.synthetic.seed={seed}"])
-    state = run_stage(isolated_data_task, select_stages(), "data", cfg.data, str(TEST_OUTPUTS / "flowtest"),
-                      python=python, return_state=True)
+    state = isolated_data_task(cfg.data, str(TEST_OUTPUTS / "flowtest"), python=python, return_state=True)
     return state.name, state.result()
 
 
@@ -93,3 +92,36 @@ def test_stage_under_another_interpreter_shares_the_cache() -> None:
 def test_interpreters_only_for_training_stages() -> None:
     with pytest.raises(ConfigError, match=r"run.interpreters names \['serve'\]"):
         load_config("tiny-cpu", ["run.interpreters={serve: /usr/bin/python3}"])
+
+
+def test_a_stage_added_as_one_line_runs_cached_in_a_flow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit test's new stage (tests/unit/test_stage_spec.py: one table line and its package), run by a flow
+    through the task the table builds: computed once, then a cache hit on its own key, recomputed when refreshed."""
+    from stages.core import stage_spec
+    from stages.core.refs import CheckpointRef
+    from stages.core.stage_spec import SPECS, STAGE_SPECS, StageSpec, StageTable
+    from tasks.common import StageRunner, entry_task
+    from tests.unit.test_stage_spec import DISTILL
+
+    (tmp_path / "distill_flow_stage").mkdir()
+    (tmp_path / "distill_flow_stage" / "__init__.py").write_text("")
+    (tmp_path / "distill_flow_stage" / "stage.py").write_text(DISTILL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = StageSpec("distill", ("rl",), "distill_flow_stage.stage:run_distill", "distill_key")
+    specs = list(STAGE_SPECS)
+    specs.insert(specs.index(SPECS["rl"]) + 1, line)
+    monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(specs)))
+    cfg = load_config("tiny-cpu", [f"run.output_root={tmp_path / 'out'}"])
+    policy = CheckpointRef(path="/policy", fingerprint="p" * 16, format="hf")
+
+    @flow
+    def with_distill(refresh: list[str]) -> tuple[str, str]:
+        stages = StageRunner(select_stages(refresh=refresh), cfg.run)
+        state = stages.run(entry_task("distill"), cfg.rl, policy, return_state=True)  # the one wiring line
+        return state.name, state.result().path
+
+    state, path = with_distill([])
+    assert state == "Completed" and (Path(path) / "student.txt").read_text() == "distilled from /policy"
+    assert Path(path).parent == tmp_path / "out" / "distill"
+    assert with_distill([]) == ("Cached", path)
+    assert with_distill(["distill"])[0] == "Completed"

@@ -200,7 +200,7 @@ def test_a_missing_file_while_the_key_is_computed_fails_the_task_once(tmp_path: 
 
     @flow
     def data_only():
-        state = run_stage(data_task, select_stages(), "data", cfg.data, str(tmp_path), return_state=True)
+        state = run_stage(data_task, select_stages(), cfg.data, str(tmp_path), return_state=True)
         return state, state.result(raise_on_failure=False)
 
     state, exc = data_only()

@@ -96,7 +96,7 @@ def test_stage_logs_progress_and_artifacts_reach_the_task_run(python) -> None:
 attempts: list[int] = []
 
 
-@stage_task("config-check", retries=2, retry_delay_seconds=0)
+@stage_task("config-check", retries=2, retry_delay_seconds=0, off_table=True)
 def failing_task(deterministic: bool) -> None:
     attempts.append(1)
     raise ConfigError("bad key") if deterministic else RuntimeError("flaky")

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 ATTEMPTS: list[str] = []
 
 
-@stage_task("retry-probe", retries=2, retry_delay_seconds=0)
+@stage_task("retry-probe", retries=2, retry_delay_seconds=0, off_table=True)
 def probe(kind: str, force: bool = False) -> str:
     ATTEMPTS.append(kind)
     if kind == "missing":

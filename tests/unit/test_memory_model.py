@@ -146,7 +146,9 @@ def test_run_refuses_the_reference_budget_naming_phase_and_fix():
     assert "old_log_prob needs ~91" in text and "8 x 8192 = 65,536 tokens" in text
     assert "lower rl.verl.max_token_len_per_gpu (now 16384" in text and "rl.verl.remove_padding: true" in text
     assert "optimizer_offload: true" in text
-    assert check_memory(cfg, {"data", "sft"}) is None            # RL not planned: nothing to refuse
+    from stages.core.stage_spec import MEMORY, TABLE
+
+    assert MEMORY in TABLE.checks({"rl"}) and MEMORY not in TABLE.checks({"data", "sft"})  # RL not selected: not run
     # remove-padding (sdpa, auto for qwen3; or flash-attn) fits the same budget: only real tokens are materialised
     for extra in ([], ["rl.verl.attn_implementation=flash_attention_2"]):
         assert check_memory(load_config(PROFILE_14B, ["rl.verl.max_token_len_per_gpu=16384", *extra]), {"rl"})

@@ -15,9 +15,8 @@ import pytest
 
 from stages.agent.prompt_templates import build_messages
 from stages.agent.protocol import ANSWER_STOP, STOP_TAGS
-from stages.rehearse import seam_preflight
-from stages.rehearse.seam_preflight import preflight_seams, protocol_tags
-from stages.sft import seams
+from stages.sft import seam_preflight, seams
+from stages.sft.seam_preflight import preflight_seams, protocol_tags
 from stages.sft.seams import SeamError, SeamInputs, check_special_ids, run_seam_checks
 from tests.conftest import missing_setup
 
@@ -163,7 +162,12 @@ def test_the_run_preflight_checks_a_local_model_and_remembers_a_pass(qwen3, tmp_
     wrong = load_config("tiny-cpu", [*base, "model.template=qwen", "sft.dataset=file", f"sft.dataset_path={sft}"])
     with pytest.raises(SeamError, match="inserts its default system prompt"):
         preflight_seams(wrong, ["sft"])
-    assert preflight_seams(good, ["bootstrap", "data"]) is None  # nothing that reads the tokenizer runs
+    from stages.core.preflight import preflight
+    from stages.core.selection import select_stages
+    from stages.core.stage_spec import SEAMS
+
+    monkeypatch.setattr(seam_preflight, "preflight_seams", lambda *a: pytest.fail("checked for data + bootstrap"))
+    assert preflight(good, select_stages(until="bootstrap")).result(SEAMS) is None  # nothing reads the tokenizer
 
 
 def test_the_preflight_skips_a_model_that_is_not_here(tmp_path):

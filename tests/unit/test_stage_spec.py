@@ -1,29 +1,35 @@
 """The stage table (stages/core/stage_spec.py) is the one place a stage is described: the stage order, the names
-the flows accept, the interpreters, the input checks, the tasks, the output folders and the stage deployments are
-all read off it, and a new stage is one line (docs/caching.md, README "Layout")."""
+the flows accept, the interpreters, the pre-flight, the tasks (entry point and key), the output folders and the
+stage deployments are all read off it, a misspelled stage name fails with the nearest names, and a new stage is one
+line plus its own package (docs/caching.md, README "Layout")."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
 
+from stages.core import stage_spec
 from stages.core.codeversion import STAGES as CODE
-from stages.core.env import PROJECT_ROOT
 from stages.core.selection import SelectionError, select_stages
 from stages.core.stage_spec import (
     DEPLOYMENTS,
     GROUPS,
     ISOLATABLE,
+    MEMORY,
+    SEAMS,
     SPECS,
     STAGE_SPECS,
     STAGES,
     StageName,
     StageSpec,
     StageTable,
+    UnknownStageError,
 )
 
 
@@ -36,25 +42,107 @@ def test_the_order_and_names_come_from_the_table() -> None:
     assert set(typing.get_args(StageName)) == set(STAGES) | {"eval"}
     assert select_stages(until="data").run == {"data"}           # checking the data fetches no model
     assert select_stages(only=["rl"]).describe() == "data -> bootstrap -> sft -> rl"
-    with pytest.raises(SelectionError, match="'eval' for infer\\+score\\+report"):
+    with pytest.raises(SelectionError, match="'dpo' runs and refreshes as part of 'sft': select 'sft'"):
         select_stages(only=["dpo"])
+    # by hand: the seam checks for every stage that reads the tokenizer, the memory model for RL, each once
+    assert stage_spec.TABLE.checked_by(SEAMS) == ("sft", "rl", "heldout", "infer")
+    assert stage_spec.TABLE.checks(frozenset(STAGES))[:2] == (SEAMS, MEMORY)
+    assert stage_spec.TABLE.checks(frozenset({"data", "bootstrap"})) == ()
 
 
-def test_a_new_stage_is_one_line() -> None:
-    distill = StageSpec("distill", ("rl",), "stages.rl.distill:distill_key", isolatable=True)
+def test_a_misspelled_stage_name_fails_with_the_nearest_names() -> None:
+    from tasks.common import entry_task, stage_task
+
+    with pytest.raises(SelectionError, match=r"unknown stage 'sftt' \(did you mean 'sft'\?\)"):
+        select_stages(only=["sftt"])
+    with pytest.raises(SelectionError, match=r"'evl' \(did you mean 'eval'\?\).*or 'eval' for infer\+score\+report"):
+        select_stages(refresh=["evl"])
+    with pytest.raises(SelectionError, match=r"unknown stage 'infr' \(did you mean 'infer'\?\)"):
+        select_stages().runs("infr")     # code asking about a stage is checked too: no silent False
+    with pytest.raises(UnknownStageError, match=r"unknown stage 'merg' \(did you mean 'merge'\?\)"):
+        stage_task("merg")               # a task is never silently uncached
+    with pytest.raises(UnknownStageError, match=r"'heldot' \(did you mean 'heldout'\?\)"):
+        entry_task("heldot")
+    assert select_stages(only=["sft"]).refreshes("dpo") is False and select_stages(refresh=["sft"]).refreshes("dpo")
+
+
+# a new stage's own package, as its author writes it: an entry point and a key function in one module
+DISTILL = '''
+from stages.core.fingerprint import hash_value
+from stages.core.refs import CheckpointRef
+from stages.core.workspace import stage_dir
+
+
+def distill_key(cfg, policy):
+    return hash_value(cfg, policy.fingerprint)
+
+
+def run_distill(cfg, policy, output_root, force=False):
+    out = stage_dir(output_root, "distill", distill_key(cfg, policy), force=force)
+    if not out.complete:
+        (out.path / "student.txt").write_text(f"distilled from {policy.path}")
+        out.finish()
+    return CheckpointRef(path=str(out.path), fingerprint=out.fingerprint, format="hf")
+'''
+
+
+@pytest.fixture
+def distill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StageSpec:
+    """One line added to the table (after RL), and the stage's package; nothing else is edited."""
+    (tmp_path / "distill_stage").mkdir()
+    (tmp_path / "distill_stage" / "__init__.py").write_text("")
+    (tmp_path / "distill_stage" / "stage.py").write_text(DISTILL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = StageSpec("distill", ("rl",), "distill_stage.stage:run_distill", "distill_key", isolatable=True)
     specs = list(STAGE_SPECS)
-    specs.insert(specs.index(SPECS["rl"]) + 1, distill)
-    table = StageTable(tuple(specs))
+    specs.insert(specs.index(SPECS["rl"]) + 1, line)
+    monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(specs)))
+    return line
+
+
+def test_a_new_stage_is_one_line_and_its_package(distill: StageSpec, tmp_path: Path) -> None:
+    from flows.deployments import stage_deployments
+    from stages.core.config.loader import load_config
+    from stages.core.preflight import preflight
+    from tasks.common import StageKey, StageRunner, cache_key, entry_task
+
+    table = stage_spec.table()
     assert table.stages == ("data", "bootstrap", "sft", "rl", "distill", "merge", "heldout", "infer", "score",
                             "report")
-    assert table.isolatable == ("sft", "dpo", "rl", "distill", "merge")
-    assert table.deployments == ("stage-data", "stage-bootstrap", "stage-sft", "stage-rl", "stage-distill",
-                                 "stage-merge", "stage-heldout", "stage-eval")
-    assert table.reading("rl") == ("rl", "distill")
+    assert table.isolatable == ("sft", "dpo", "rl", "distill", "merge") and table.reading("rl") == ("rl", "distill")
+    assert "distill" in typing.get_args(table.names_type)
+    # the selection, the pre-flight and the generated deployment find it
+    assert select_stages(only=["distill"]).describe() == "data -> bootstrap -> sft -> rl -> distill"
+    assert select_stages(refresh_from="distill").refresh == {"distill", "merge", "heldout", "infer", "score",
+                                                            "report"}
+    cfg = load_config("tiny-cpu", [])
+    assert preflight(cfg, select_stages(only=["distill"])).stages[-1] == "distill"
+    assert "  - {<<: *stage, name: stage-distill, parameters: {profile: tiny-cpu, only: [distill]}}" in \
+        stage_deployments().splitlines()
+    # its task: built from the line (the entry's parameters, an interpreter since it may run under another one)
+    task = entry_task("distill")
+    assert task.name == "distill" and isinstance(task.cache_policy, StageKey)
+    assert list(inspect.signature(task.fn).parameters) == ["cfg", "policy", "output_root", "python"]
+    # its key is its own key function on the task's inputs, and where the folder lives
+    from distill_stage.stage import distill_key
+
+    from stages.core.refs import CheckpointRef
+
+    policy = CheckpointRef(path="/p", fingerprint="f" * 16, format="hf")
+    inputs = {"cfg": cfg.rl, "policy": policy, "output_root": str(tmp_path), "python": None}
+    assert task.cache_policy.compute_key(None, inputs, {}) == cache_key("distill", distill_key(cfg.rl, policy),
+                                                                        str(tmp_path))
+    # the flow's one wiring line gives it the run's output root and interpreter, and its refresh
+    runner = StageRunner(select_stages(refresh=["distill"]), cfg.run.model_copy(update={"interpreters": {}}))
+    assert runner._inputs(task, {}) == {"output_root": cfg.run.output_root, "python": None}
 
 
-def test_prefect_yaml_has_one_deployment_per_stage_deployment_of_the_table() -> None:
-    project = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
+def test_prefect_yaml_holds_the_generated_stage_deployments() -> None:
+    from flows.deployments import PREFECT_YAML, stage_deployments, written_stage_deployments
+
+    assert written_stage_deployments(PREFECT_YAML.read_text()) == stage_deployments(), \
+        "prefect.yaml is out of date: run `python -m flows.deployments --write`"
+    project = yaml.safe_load(PREFECT_YAML.read_text())
     stage = {d["name"]: d for d in project["deployments"] if d["name"].startswith("stage-")}
     assert tuple(stage) == DEPLOYMENTS
     for name, deployment in stage.items():
@@ -78,20 +166,21 @@ def _folder_names(module: str) -> set[str]:
 def test_each_stage_writes_the_folder_named_after_it_with_the_key_the_table_names(spec: StageSpec) -> None:
     from tasks.common import StageKey
 
-    module, _, function = spec.key.partition(":")
-    assert callable(getattr(importlib.import_module(module), function))
-    assert _folder_names(module) == {spec.name}
+    module = importlib.import_module(spec.module)
+    assert callable(getattr(module, spec.entry.partition(":")[2])) and callable(getattr(module, spec.key))
+    assert _folder_names(spec.module) == {spec.name}
     tasks = [t for m in ("bootstrap", "data", "sft", "rl", "heldout", "eval_infer", "eval_score")
              for t in vars(importlib.import_module(f"tasks.{m}")).values()
              if isinstance(getattr(t, "cache_policy", None), StageKey) and t.cache_policy.stage == spec.name]
-    assert tasks and all(t.name == spec.name and t.cache_policy.key_fn.__name__ == function for t in tasks)
+    assert tasks and all(t.name == spec.name and t.cache_policy.function.__name__ == spec.key for t in tasks)
 
 
 def test_no_stage_reads_the_table() -> None:
-    # adding a stage must recompute no other stage: the table, the selection and the input checks are in no key
+    # adding a stage must recompute no other stage: the table, the selection, the pre-flight are in no key
     for spec in STAGE_SPECS:
-        covered = CODE.closure(spec.key.partition(":")[0])
-        assert not {"stages.core.stage_spec", "stages.core.selection", "stages.core.input_check"} & set(covered)
+        covered = CODE.closure(spec.module)
+        assert not {"stages.core.stage_spec", "stages.core.selection", "stages.core.input_check",
+                    "stages.core.preflight"} & set(covered)
 
 
 def test_inputs_are_checked_for_the_sections_the_selected_stages_read(tmp_path) -> None:
@@ -107,3 +196,6 @@ def test_inputs_are_checked_for_the_sections_the_selected_stages_read(tmp_path) 
     check_inputs(interp, ["rl"])         # DPO's interpreter matters only when SFT runs
     with pytest.raises(InputError, match="run.interpreters.dpo"):
         check_inputs(interp, ["sft"])
+    verl = load_config("tiny-cpu", [f"run.interpreters={{rl: {tmp_path / 'nope' / 'python'}}}"])
+    with pytest.raises(InputError, match=r"\(./scripts/setup-gpu.sh builds .venv-verl"):  # the table's hint
+        check_inputs(verl, ["rl"])

