@@ -39,7 +39,7 @@ import torch
 torch.set_num_threads(1)
 from stages.core.config.merge import MergeSection
 from stages.core.refs import CheckpointRef
-from stages.rl import fsdp_merge, merge
+from stages.rl import fsdp_merge, merge_weights
 from stages.rl.shard_writer import partial_folder
 import safetensors.torch, transformers.models.llama.modeling_llama  # what the merges import lazily: not theirs
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,14 +55,14 @@ if mode == "before":
     ckpt = CheckpointRef(path=str(out / "verl_assembled"), fingerprint="bench", format="hf")
 else:
     fsdp_merge.MAX_SHARD_BYTES, fsdp_merge.GROUP_BYTES = int(shard_mb * 2**20), int(group_mb * 2**20)
-    write = merge.write_merged_folder
+    write = merge_weights.write_merged_folder
     def timed_write(*args, **kwargs):
         entries = write(*args, **kwargs)
         marks["written"] = peak()
         return entries
-    merge.write_merged_folder = timed_write
+    merge_weights.write_merged_folder = timed_write
     ckpt = CheckpointRef(path=str(actor), fingerprint="bench", format="verl_fsdp")
-report = merge.merge_to_folder(cfg, ckpt, out / "model")
+report = merge_weights.merge_to_folder(cfg, ckpt, out / "model")
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print(json.dumps({"imports": imports, "written": marks["written"], "peak": peak(), "hwm": hwm,
                   "seconds": time.time() - start,

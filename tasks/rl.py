@@ -5,7 +5,7 @@ stages/rl/card.py) before calling the stage.
 `python` runs the stage under another interpreter (config `run.interpreters`, filled in by the flow's
 tasks.common.StageRunner); the entry points are the stage table's (`call_entry`); the key functions ask that
 interpreter what they need of it (verl's version), and the RL settings that only watch the run (alarms, artifact
-refresh) are not part of the key (stages.rl.trainer.training_identity, used by stages.rl.stage.rl_key).
+refresh) are not part of the key (stages.rl.identity.training_identity, used by stages.rl.stage.rl_key).
 """
 
 from __future__ import annotations

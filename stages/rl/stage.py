@@ -23,9 +23,10 @@ from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.workspace import stage_dir
 from stages.rl.card import algorithm_card, card_markdown
 from stages.rl.engines import RL_ENGINES, engine_version
+from stages.rl.identity import training_identity
+from stages.rl.publish import publish_results
 from stages.rl.retention import drop_optimizer_state
 from stages.rl.step_identity import step_identity, write_identity
-from stages.rl.trainer import publish_results, training_identity
 
 log = get_logger(__name__)
 CARD_FILE = "algorithm_card.md"  # the run's algorithm card (stages/rl/card.py), written before any work

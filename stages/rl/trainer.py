@@ -39,6 +39,7 @@ from stages.generation.session import RolloutSession
 from stages.generation.types import RolloutBatch
 from stages.rl import checkpoint as ckpt
 from stages.rl.alarms import AlarmWatch
+from stages.rl.identity import training_identity
 from stages.rl.modeling import (
     compute_dtype,
     configure_for_training,
@@ -47,6 +48,7 @@ from stages.rl.modeling import (
     pick_device,
 )
 from stages.rl.probe import write_probe
+from stages.rl.publish import publish_results
 from stages.rl.rollout import tree_rollouts
 from stages.rl.step_metrics import (
     append_metrics,
@@ -54,9 +56,8 @@ from stages.rl.step_metrics import (
     plot_curves,
     reconcile_metrics,
     rollout_metrics,
-    rollout_sample_markdown,
 )
-from stages.rl.tree_report import finish_pages, publish_trees
+from stages.rl.tree_report import finish_pages
 from stages.rl.update import build_step_tensors, ppo_update
 
 log = get_logger(__name__)
@@ -70,30 +71,6 @@ def run_local(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoint
     return CheckpointRef(path=str(final), fingerprint="", format="trainer", step=trainer.total_steps,
                          meta={"metrics": str(stage / "metrics.jsonl"), "curves": str(stage / "curves.png"),
                                "rollouts": str(stage / "rollouts")})
-
-
-def training_identity(cfg: RLSection) -> dict[str, Any]:
-    """What the trained weights depend on: the RL section without the watching settings (alarm thresholds and
-    stop list, artifact refresh, the card's reference run), so changing those neither recomputes the stage nor
-    refuses its checkpoints."""
-    return cfg.model_dump(mode="json", exclude={"alarms": True, "reference_setting": True,
-                                                "trainer": {"report_every"}})
-
-
-def publish_results(cfg: RLSection, folder: Path, history: list[dict[str, Any]], replot: bool = True) -> None:
-    """Curves and the newest rollout sample, to whoever watches (refreshed every trainer.report_every steps).
-    `replot=False` shows the finished folder's own plot: a complete folder is never written to (its manifest)."""
-    if not history:
-        return
-    step = history[-1]["step"]
-    png = folder / "curves.png"
-    curves = png if not replot and png.is_file() else plot_curves(history, png)
-    if curves is not None:  # None: matplotlib is missing (the vLLM environment)
-        reporter.image("rl-curves", curves, f"{cfg.algorithm}: reward, accuracy, entropy, tool calls (step {step})")
-    if cfg.trainer.dump_rollouts:
-        reporter.markdown("rl-rollouts", rollout_sample_markdown(folder / "rollouts"),
-                          f"{cfg.algorithm}: sample of the rollouts of step {step}")
-    publish_trees(cfg, folder, write=replot)  # a page per dumped step, the trees image (stages/rl/tree_report.py)
 
 
 def step_counts(n_rows: int, cfg: RLSection) -> tuple[int, int]:
@@ -296,4 +273,4 @@ class RLTrainer:
                       per_traj)
 
 
-__all__ = ["RLTrainer", "step_counts", "publish_results", "rollout_seed", "run_local", "training_identity"]
+__all__ = ["RLTrainer", "rollout_seed", "run_local", "step_counts"]

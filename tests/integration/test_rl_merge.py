@@ -13,7 +13,8 @@ import torch
 from stages.core.config.merge import MergeSection
 from stages.core.refs import CheckpointRef
 from stages.rl import checkpoint as ckpt
-from stages.rl.merge import MergeParityError, merge_checkpoint
+from stages.rl.merge import merge_checkpoint
+from stages.rl.merge_weights import MergeParityError
 from stages.rl.probe import probe_logprobs, probe_sequences, read_probe, write_probe
 from tests.conftest import module_scratch
 

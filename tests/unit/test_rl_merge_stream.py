@@ -24,7 +24,7 @@ from stages.rl.fsdp_merge import (
     stream_assembled,
     write_merged_folder,
 )
-from stages.rl.merge import MergeParityError, put_assembled_weights
+from stages.rl.merge_weights import MergeParityError, put_assembled_weights
 from stages.rl.shard_writer import INDEX_FILE, partial_folder, plan_shards, shard_file_names, write_shards
 
 torch.set_num_threads(1)

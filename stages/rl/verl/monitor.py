@@ -155,7 +155,7 @@ class LiveReport:
     def on_step(self, row: dict[str, Any]) -> None:
         from stages.core.atomic import write_jsonl
         from stages.rl.alarms import AlarmStop
-        from stages.rl.trainer import publish_results
+        from stages.rl.publish import publish_results
 
         self.history = sorted([r for r in self.history if r["step"] != row["step"]] + [row], key=lambda r: r["step"])
         try:
