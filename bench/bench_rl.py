@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import write_result
+from stages.core.algorithm_spec import ALGORITHMS
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
@@ -57,7 +58,7 @@ PHASES = ("rollout", "old_logprob", "update")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algo", default="arpo", choices=["grpo", "arpo", "aepo"])
+    parser.add_argument("--algo", default="arpo", choices=ALGORITHMS.ordered())  # the algorithm table's lines
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--sequential", action="store_true", help="one configuration after the other")

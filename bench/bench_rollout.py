@@ -1,7 +1,7 @@
 """Rollout cost with KV-cache reuse vs full re-prefill (baseline), per strategy, one run, tiny model on CPU.
 
     .venv/bin/python bench/bench_rollout.py [--prompts 4] [--n 8] [--initial 4] [--max-response 160]
-                                             [--temperature 0] [--strategies grpo,arpo,aepo]
+                                             [--temperature 0] [--strategies grpo,arpo,aepo (the default: all)]
 
 For each strategy the same prompts and seed run twice on the transformers backend: `kv_reuse=True` (prompt
 prefilled once per group, caches kept across rounds, branches start from their parent's cache) and
@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import write_result
+from stages.core.algorithm_spec import ALGORITHMS
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
@@ -73,12 +74,11 @@ def main() -> None:
     parser.add_argument("--initial", type=int, default=4)
     parser.add_argument("--max-response", type=int, default=160)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--strategies", default="grpo,arpo,aepo")
+    parser.add_argument("--strategies", default=",".join(ALGORITHMS.ordered()))  # every line of the algorithm table
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
     from stages.agent.toolbox import ToolBox
-    from stages.core.algorithm_spec import ALGORITHMS
     from stages.core.config.agent import SearchSection
     from stages.core.config.rl import RolloutSection
 

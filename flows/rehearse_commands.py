@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from stages.core.engine_spec import ENGINES  # the engine table (pure data: nothing heavy before the pre-flight)
+
 
 def register(sub: argparse._SubParsersAction, config_args, stage_args) -> None:
     rehearse = sub.add_parser("rehearse", help="run a profile end to end at toy scale on this box (a random-init "
@@ -19,7 +21,7 @@ def register(sub: argparse._SubParsersAction, config_args, stage_args) -> None:
                           "stand in for web search (needed when the profile searches the web)")
     rehearse.add_argument("--page-replay", metavar="JSON", help="recorded {url: text} pages that stand in for "
                           "browsing (without it, browsing is off in the rehearsal)")
-    rehearse.add_argument("--engine", choices=["local", "verl"], help="rehearse on this RL engine instead of the "
+    rehearse.add_argument("--engine", choices=ENGINES.ordered(), help="rehearse on this RL engine instead of the "
                           "profile's (recorded as a swap)")
     rehearse.add_argument("--judge", choices=["rule", "policy"], default="rule", help="rule: score with rule "
                           "metrics only (default); policy: the served toy policy stands in for the profile's judge, "

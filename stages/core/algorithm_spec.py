@@ -9,9 +9,11 @@ card (stages/rl/card.py: its growth, branch rule and penalty rows, the published
     spec.implied()                     # {"loss": {"policy_loss": "aepo_balanced_clip"}, ...}
     spec.components_off(cfg.rl)        # ["branch penalty"] when a config sets rl.rollout.branch_penalty=0
 
-Adding an algorithm: one line here, its branch rule registered under the same name in stages/rl/strategies.py
-(ROLLOUT_STRATEGIES), any loss or estimator it implies registered by name, and its published run in
-stages/rl/reference_code.py. This module is pure data: it imports no config model and no stage code.
+Adding an algorithm: one line here. The rollout strategy is built from the line (stages/rl/strategies.py
+`get_strategy`: its growth, the branch rule it names, whether it owns the entropy probe); only a new branch rule
+(registered in BRANCH_RULES there, its formula beside its code), a new loss or estimator it implies (registered by
+name) or a new published run to compare with (stages/rl/reference_code.py) needs code of its own. This module is
+pure data: it imports no config model and no stage code.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class Component:
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """name: `rl.algorithm`. growth: independent samples from the prompt, or an entropy-guided tree (branching
-    copies and fresh roots). branch_rule: the formula its branch rule computes, as the card states it ({tau},
-    {w}, {p}: branch_probability, entropy_weight, branch_penalty). components: what it turns on by default.
+    copies and fresh roots). branch_rule: the name of its branch rule in stages/rl/strategies.py BRANCH_RULES
+    (its code and the formula the card states; "" for independent samples). components: what it turns on by default.
     options: settings off by default that only this algorithm may turn on. reference: the published run the card
     compares with unless rl.reference_setting names another."""
 
@@ -101,11 +103,9 @@ def value_at(rl: Any, key: str) -> Any:
 # entropy-aware advantage on, the consecutive-branch penalty 0.05, dynamic rollouts (entropy pre-monitoring) off.
 SPECS: tuple[AlgorithmSpec, ...] = (
     AlgorithmSpec("grpo", "independent", reference="grpo-qwen2.5-7b-reasoning"),
-    AlgorithmSpec("arpo", "tree", reference="arpo-qwen2.5-7b-reasoning",
-                  branch_rule="branch iff clip(u - w dH, 0, 1) <= tau; tau = {tau}, w = {w}"),
+    AlgorithmSpec("arpo", "tree", reference="arpo-qwen2.5-7b-reasoning", branch_rule="arpo"),
     AlgorithmSpec(
-        "aepo", "tree", reference="aepo-qwen3-14b-deepsearch",
-        branch_rule="branch iff clip((u + w dH) max(0, 1 - p c), 0, 1) >= tau; tau = {tau}, w = {w}, p = {p}",
+        "aepo", "tree", reference="aepo-qwen3-14b-deepsearch", branch_rule="aepo",
         components=(Component("entropy-balanced clipping", Setting("loss.policy_loss", "aepo_balanced_clip")),
                     Component("entropy-aware advantage", Setting("advantage.entropy_aware", True)),
                     Component("branch penalty", Setting("rollout.branch_penalty", 0.05, positive=True))),

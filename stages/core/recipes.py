@@ -15,6 +15,7 @@ from pathlib import PurePath
 from typing import Any
 
 from stages.core.archs import arch_for
+from stages.core.engine_spec import ENGINES
 from stages.core.registry import Registry
 
 TOOLSTAR = "RUC-NLPIR/Tool-Star@8e5936f"
@@ -143,7 +144,8 @@ TOOLSTAR_ITEMS: tuple[Item, ...] = (
              "base and the LoRA; memory, not the update"),
     # --- vanilla RL (verl GRPO)
     Item("rl", "GPUs x nodes", "8 x 1", f"{RL_SH} 19-20",
-         lambda c: f"{c.rl.verl.n_gpus_per_node} x {c.rl.verl.nnodes}" if c.rl.engine == "verl" else "1 (local)"),
+         lambda c: f"{c.rl.verl.n_gpus_per_node} x {c.rl.verl.nnodes}" if ENGINES.get(c.rl.engine).cluster
+         else f"1 ({c.rl.engine})"),
     Item("rl", "train batch, PPO mini-batch, n", "128, 16, 8", f"{RL_SH} 11-13",
          lambda c: f"{c.rl.trainer.train_batch_size}, {c.rl.trainer.ppo_mini_batch_size}, {c.rl.rollout.n}"),
     Item("rl", "epochs, checkpoint every", "2, 10 steps", f"{RL_SH} 21, 23",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.core.config.loader import RunConfig
+from stages.core.engine_spec import ENGINES
 from stages.cost.basis import Measured
 
 ATTEMPTS = {"server": 3, "web": None}  # requests per failing search call (web: agent.search.web.retries)
@@ -56,7 +57,7 @@ def run_steps(cfg: RunConfig, train_rows: int | None) -> int | None:
 
 
 def devices(cfg: RunConfig) -> int:
-    return cfg.rl.verl.nnodes * cfg.rl.verl.n_gpus_per_node if cfg.rl.engine == "verl" else 1
+    return ENGINES.get(cfg.rl.engine).devices(cfg.rl)
 
 
 def _line(what: str, bound: float, steps: int | None, measured: float | None, tolerance: float,

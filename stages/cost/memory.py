@@ -20,6 +20,7 @@ from typing import Any
 from stages.core.archs import Arch, arch_for
 from stages.core.config.loader import RunConfig
 from stages.core.config.rl_engine import PACKED_SDPA_FAMILIES
+from stages.core.engine_spec import ENGINES
 from stages.core.errors import BadInputError
 from stages.cost.partition import MicroBatch, fixed_micro_batches, micro_batches
 
@@ -154,7 +155,7 @@ def mask_bytes(mb: MicroBatch, dtype_bytes: int, remove_padding: bool, attn: str
 def memory_estimate(cfg: RunConfig) -> MemoryEstimate | None:
     """The verl engine's per-GPU peak of each phase; None for the local engine, a model not in the table, or a
     rehearsal's toy model (its name is the real model's; `arpo rehearse` reports the real profile's estimate)."""
-    if not cfg.rl.enabled or cfg.rl.engine != "verl" or cfg.model.source == "toy":
+    if not cfg.rl.enabled or not ENGINES.get(cfg.rl.engine).priced or cfg.model.source == "toy":
         return None
     found = arch_for(cfg.model.name, cfg.model.path)
     if found is None:

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.core.engine_spec import ENGINES
+
 ROLLOUTS = 4          # rollouts per prompt (n)
 PROMPTS = 2           # prompts per RL step
 STEPS = 2             # RL steps: a checkpoint, a resume point, a second update
@@ -117,7 +119,7 @@ def rehearsal_for(cfg: Any, offline: Offline = Offline()) -> Rehearsal:
 def _rl_engine(cfg: Any, offline: Offline, change) -> None:
     engine = offline.engine or cfg.rl.engine
     change("rl.engine", cfg.rl.engine, engine, "swap", "asked for (--engine)")
-    if engine == "verl":
+    if ENGINES.get(engine).cluster:  # a cluster engine (verl): one CPU process per role, its CPU environment
         change("run.interpreters", dict(cfg.run.interpreters), {**cfg.run.interpreters, "rl": VERL_CPU_PYTHON},
                "swap", "verl's environment for the CPU (./scripts/setup-verl.sh --cpu); verl runs on its CPU "
                "platform (stages/rl/verl/cpu_platform.py) because run.device is cpu")

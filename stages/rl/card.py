@@ -15,11 +15,14 @@ the same card on both engines unless the mapping sets something else, which `tes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stages.core.algorithm_spec import ALGORITHMS, AlgorithmSpec
 from stages.core.config.rl import RLSection, RolloutSection
+from stages.core.registry import Registry
 from stages.rl.reference_code import DOC, NO_DUAL_CLIP, ReferenceSetting, reference_for
+from stages.rl.strategies import BRANCH_RULES
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class Trained:
     source: str       # where it was read
 
 
+# what each engine (stages/core/engine_spec.py) trains with, read from its own inputs, registered by its name
+TRAINED: Registry[Callable[[RLSection], Trained]] = Registry("trained settings")
+
+
+@TRAINED.register("local")
 def trained_local(rl: RLSection) -> Trained:
     loss = rl.loss
     return Trained(loss.policy_loss, (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c),
@@ -62,6 +70,7 @@ def trained_local(rl: RLSection) -> Trained:
                    "the local trainer reads the rl section")
 
 
+@TRAINED.register("verl")
 def trained_verl(rl: RLSection) -> Trained:
     """Read back from the overrides the verl engine launches with (inverse of the mapping's name tables)."""
     from stages.rl.verl.mapping import AGG_MODES, KL_TYPES, POLICY_LOSSES, VerlPaths, verl_overrides
@@ -110,7 +119,8 @@ def _initial(spec: AlgorithmSpec, ro: RolloutSection) -> str:
 def _rule(spec: AlgorithmSpec, ro: RolloutSection) -> str:
     if not spec.branches:
         return "none"
-    return spec.branch_rule.format(tau=ro.branch_probability, w=ro.entropy_weight, p=ro.branch_penalty)
+    formula = BRANCH_RULES.get(spec.branch_rule).formula  # written once, beside the rule's code
+    return formula.format(tau=ro.branch_probability, w=ro.entropy_weight, p=ro.branch_penalty)
 
 
 def _counter(spec: AlgorithmSpec, ro: RolloutSection) -> str:
@@ -274,7 +284,7 @@ def card_notes(rl: RLSection) -> list[str]:
 
 def algorithm_card(rl: RLSection) -> AlgorithmCard:
     ref = reference_for(rl.algorithm, rl.reference_setting)
-    trained = trained_verl(rl) if rl.engine == "verl" else trained_local(rl)
+    trained = TRAINED.get(rl.engine)(rl)
     engine = CardRow("engine", f"{rl.engine}: {trained.source}", f"{ref.code}: {ref.fork}",
                      "differs", "infrastructure only: the algorithm functions are the same objects in both engines",
                      f"{DOC}#published-runs")

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
+from stages.core.engine_spec import ENGINES
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.registry import Registry
 
 RLEngineFn = Callable[..., CheckpointRef]
-RL_ENGINES: Registry[RLEngineFn] = Registry("RL engine")
-VERL_VERSION = "0.9.1"
+RL_ENGINES: Registry[RLEngineFn] = Registry("RL engine")  # each line of stages/core/engine_spec.py, by name
 
 
 @RL_ENGINES.register("local")
@@ -39,10 +39,11 @@ def local_engine(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpo
 @RL_ENGINES.register("verl")
 def verl_engine(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
                 stage: Path, cache_root: Path, seed: int, dtype: str) -> CheckpointRef:
-    installed = engine_version("verl")
-    if installed != VERL_VERSION:
-        raise RuntimeError(f"rl.engine=verl needs verl=={VERL_VERSION} in the RL stage's interpreter; this one has "
-                           f"{installed or 'no verl'}. Build it with ./scripts/setup-gpu.sh and set "
+    spec = ENGINES.get("verl")
+    installed = engine_version(spec.name)
+    if installed != spec.version:
+        raise RuntimeError(f"rl.engine=verl needs {spec.package}=={spec.version} in the RL stage's interpreter; this "
+                           f"one has {installed or 'no verl'}. Build it with ./scripts/setup-gpu.sh and set "
                            "run.interpreters.rl=.venv-verl/bin/python (README: GPU runbook)")
     from stages.rl.verl.launch import run_rl_verl
 
@@ -50,15 +51,16 @@ def verl_engine(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
 
 
 def engine_version(engine: str, python: str | None = None) -> str:
-    """What the cache key records about the engine: verl's version installed in the interpreter `python` (None =
-    this one), empty for local / absent. The flow process asks the stage's interpreter, so its cache key and the
-    stage folder's agree."""
-    if engine != "verl":
+    """What the cache key records about the engine: the version of the package its line names (verl) installed in
+    the interpreter `python` (None = this one), empty for an engine that needs none (local) or when absent. The flow
+    process asks the stage's interpreter, so its cache key and the stage folder's agree."""
+    package = ENGINES.get(engine).package
+    if not package:
         return ""
     if python and os.path.abspath(python) != os.path.abspath(sys.executable):
-        return _version_in(os.path.abspath(python), "verl")
+        return _version_in(os.path.abspath(python), package)
     try:
-        return version("verl")
+        return version(package)
     except PackageNotFoundError:
         return ""
 

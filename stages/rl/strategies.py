@@ -1,18 +1,14 @@
-"""Rollout strategies (the branch rule of each algorithm): one registry, one signature
-`factory(cfg: RolloutSection) -> RolloutStrategy`, registered under the algorithm's name (rl.algorithm).
+"""Rollout strategies, built from the algorithm table (stages/core/algorithm_spec.py): `get_strategy(algorithm, cfg)`
+reads the algorithm's line (its growth, the branch rule it names, whether it owns the entropy probe) and the rollout
+settings `cfg`; no algorithm has code of its own here.
 
 A strategy answers three questions for the rollout driver, which owns the loop, the tools and the budget.
 - how many root trajectories a group starts with (`initial_rollouts`; AEPO may ask for a probe first),
 - whether a candidate makes a copy (`should_branch(u, dH, c)`, u ~ U[0,1) drawn by the driver),
 - whether leftover budget is filled with fresh roots.
 
-Whether a group grows as a tree at all (copies, fresh roots) is the algorithm's growth in
-stages/core/algorithm_spec.py; the strategies read it there. Their own code:
-
-    grpo  never branches
-    arpo  initial_rollouts roots; P(branch) = clip(tau + w dH, 0, 1)
-    aepo  like arpo with the consecutive-branch penalty clip((u + w dH)(1 - penalty c)) >= tau, and (with
-          rl.rollout.dynamic_rollouts) entropy pre-monitoring for the initial count
+The branch rules are BRANCH_RULES, one per rule the table names: the rule's code (stages/rl/branching.py, with the
+reference's lines), its probability over u, and its formula as the algorithm card states it, written once here.
 """
 
 from __future__ import annotations
@@ -31,22 +27,59 @@ from stages.rl.branching import (
     dynamic_initial_rollouts,
 )
 
+PROBE = "rollout.dynamic_rollouts"  # the entropy pre-monitoring option: an algorithm that owns it may probe
+
+
+@dataclass(frozen=True)
+class BranchRule:
+    """formula: the rule as the card states it ({tau}, {w}, {p}: branch_probability, entropy_weight,
+    branch_penalty). decide(ro, u, dH, c): whether a draw u branches. probability(ro, dH, c): P(branch) over u."""
+
+    formula: str
+    decide: Callable[[RolloutSection, float, float, int], bool]
+    probability: Callable[[RolloutSection, float, int], float]
+
+
+def _arpo_decide(ro: RolloutSection, u: float, dh: float, c: int) -> bool:
+    return arpo_should_branch(u, ro.branch_probability, ro.entropy_weight, dh)
+
+
+def _arpo_probability(ro: RolloutSection, dh: float, c: int) -> float:
+    return arpo_branch_probability(ro.branch_probability, ro.entropy_weight, dh)
+
+
+def _aepo_decide(ro: RolloutSection, u: float, dh: float, c: int) -> bool:
+    return aepo_should_branch(u, ro.branch_probability, ro.entropy_weight, dh, c, ro.branch_penalty)
+
+
+def _aepo_probability(ro: RolloutSection, dh: float, c: int) -> float:
+    return aepo_branch_probability(ro.branch_probability, ro.entropy_weight, dh, c, ro.branch_penalty)
+
+
+BRANCH_RULES: Registry[BranchRule] = Registry("branch rule", {
+    "arpo": BranchRule("branch iff clip(u - w dH, 0, 1) <= tau; tau = {tau}, w = {w}", _arpo_decide,
+                       _arpo_probability),
+    "aepo": BranchRule("branch iff clip((u + w dH) max(0, 1 - p c), 0, 1) >= tau; tau = {tau}, w = {w}, p = {p}",
+                       _aepo_decide, _aepo_probability),
+})
+
 
 @dataclass(frozen=True)
 class RolloutStrategy:
     name: str
     cfg: RolloutSection
+    rule: BranchRule | None = None  # None: independent samples, never a copy
     probe: bool = False  # AEPO entropy pre-monitoring decides the initial count
 
     @property
     def branching(self) -> bool:
         """A tree makes copies; independent samples never do (the algorithm's growth)."""
-        return ALGORITHMS.get(self.name).branches
+        return self.rule is not None
 
     @property
     def fill_fresh(self) -> bool:
         """A tree fills leftover budget with fresh roots; independent samples start all n at once."""
-        return ALGORITHMS.get(self.name).branches
+        return self.rule is not None
 
     def initial_rollouts(self, h_root: float | None = None, h_tool: float | None = None) -> int:
         if not self.branching:
@@ -57,61 +90,15 @@ class RolloutStrategy:
         return self.cfg.initial_rollouts
 
     def should_branch(self, u: float, dh: float, c: int) -> bool:
-        raise NotImplementedError
+        return self.rule is not None and self.rule.decide(self.cfg, u, dh, c)
 
     def branch_probability(self, dh: float, c: int) -> float:
         """P(should_branch) over u ~ U[0, 1), recorded beside each draw (the tree page shows it)."""
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class GRPOStrategy(RolloutStrategy):
-    def should_branch(self, u: float, dh: float, c: int) -> bool:
-        return False
-
-    def branch_probability(self, dh: float, c: int) -> float:
-        return 0.0
-
-
-@dataclass(frozen=True)
-class ARPOStrategy(RolloutStrategy):
-    def should_branch(self, u: float, dh: float, c: int) -> bool:
-        return arpo_should_branch(u, self.cfg.branch_probability, self.cfg.entropy_weight, dh)
-
-    def branch_probability(self, dh: float, c: int) -> float:
-        return arpo_branch_probability(self.cfg.branch_probability, self.cfg.entropy_weight, dh)
-
-
-@dataclass(frozen=True)
-class AEPOStrategy(RolloutStrategy):
-    def should_branch(self, u: float, dh: float, c: int) -> bool:
-        return aepo_should_branch(u, self.cfg.branch_probability, self.cfg.entropy_weight, dh, c,
-                                  self.cfg.branch_penalty)
-
-    def branch_probability(self, dh: float, c: int) -> float:
-        return aepo_branch_probability(self.cfg.branch_probability, self.cfg.entropy_weight, dh, c,
-                                       self.cfg.branch_penalty)
-
-
-StrategyFactory = Callable[[RolloutSection], RolloutStrategy]
-ROLLOUT_STRATEGIES: Registry[StrategyFactory] = Registry("rollout strategy")
-
-
-@ROLLOUT_STRATEGIES.register("grpo")
-def grpo(cfg: RolloutSection) -> RolloutStrategy:
-    return GRPOStrategy("grpo", cfg)
-
-
-@ROLLOUT_STRATEGIES.register("arpo")
-def arpo(cfg: RolloutSection) -> RolloutStrategy:
-    return ARPOStrategy("arpo", cfg)
-
-
-@ROLLOUT_STRATEGIES.register("aepo")
-def aepo(cfg: RolloutSection) -> RolloutStrategy:
-    return AEPOStrategy("aepo", cfg, probe=cfg.dynamic_rollouts)
+        return self.rule.probability(self.cfg, dh, c) if self.rule is not None else 0.0
 
 
 def get_strategy(algorithm: str, cfg: RolloutSection) -> RolloutStrategy:
-    """The branch rule of `algorithm` (rl.algorithm) over the rollout settings `cfg`."""
-    return ROLLOUT_STRATEGIES.get(algorithm)(cfg)
+    """The rollout strategy of `algorithm` (rl.algorithm; a typo names the nearest line) over the settings `cfg`."""
+    spec = ALGORITHMS.get(algorithm)
+    rule = BRANCH_RULES.get(spec.branch_rule) if spec.branches else None
+    return RolloutStrategy(algorithm, cfg, rule, probe=spec.governs(PROBE) and cfg.dynamic_rollouts)

@@ -1,5 +1,6 @@
-"""The algorithm table (stages/core/algorithm_spec.py): a new algorithm is one line plus its own code, and the config,
-the RL stage, the rollout and the algorithm card read what each algorithm turns on from the table alone."""
+"""The algorithm table (stages/core/algorithm_spec.py): a new algorithm is one line (plus its branch rule, when it has
+a new one), and the config, the RL stage, the rollout and the algorithm card read what each algorithm turns on from
+the table alone. The engine table (stages/core/engine_spec.py) likewise says what each RL engine can do."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from stages.core.config.rl import RolloutSection
 from stages.core.registry import find_registry
 
 # a made-up algorithm: a tree with a plain branch rule, the entropy-aware advantage (also AEPO's) and a KL penalty
-XPO = AlgorithmSpec("xpo", "tree", reference="arpo-qwen2.5-7b-reasoning", branch_rule="branch iff u <= tau; tau = {tau}",
+XPO = AlgorithmSpec("xpo", "tree", reference="arpo-qwen2.5-7b-reasoning", branch_rule="threshold",
                     components=(Component("entropy-aware advantage", Setting("advantage.entropy_aware", True)),
                                 Component("KL penalty", Setting("loss.kl_coef", 0.01, positive=True))),
                     options=(Setting("rollout.dynamic_rollouts", True),))
@@ -50,13 +51,22 @@ def test_an_extra_line_derives_its_defaults_components_and_foreign_settings() ->
         "aepo": ["rl.loss.policy_loss=aepo_balanced_clip"]}
 
 
+def threshold_decide(ro, u, dh, c):
+    return u <= ro.branch_probability
+
+
+def threshold_probability(ro, dh, c):
+    return ro.branch_probability
+
+
 @pytest.fixture
 def with_xpo(monkeypatch):
-    """XPO's line in the table and its own code: a branch rule registered under its name."""
-    from stages.rl.strategies import ROLLOUT_STRATEGIES, ARPOStrategy
+    """XPO's line in the table and its only code: the new branch rule it names, with its formula."""
+    from stages.rl.strategies import BRANCH_RULES, BranchRule
 
     monkeypatch.setitem(ALGORITHMS._entries, "xpo", XPO)
-    monkeypatch.setitem(ROLLOUT_STRATEGIES._entries, "xpo", lambda cfg: ARPOStrategy("xpo", cfg))
+    monkeypatch.setitem(BRANCH_RULES._entries, "threshold", BranchRule("branch iff u <= tau; tau = {tau}",
+                                                                       threshold_decide, threshold_probability))
 
 
 def test_the_config_stage_rollout_and_card_follow_an_extra_line(with_xpo) -> None:
@@ -66,7 +76,9 @@ def test_the_config_stage_rollout_and_card_follow_an_extra_line(with_xpo) -> Non
 
     cfg = load_config("tiny-cpu", ["rl.algorithm=xpo"]).rl
     assert (cfg.advantage.entropy_aware, cfg.loss.kl_coef, cfg.loss.policy_loss) == (True, 0.01, "ppo_dual_clip")
-    assert components_off(cfg) == [] and get_strategy("xpo", cfg.rollout).branching
+    strategy = get_strategy("xpo", cfg.rollout)   # built from the line: a tree with the rule it names, no probe
+    assert components_off(cfg) == [] and strategy.branching and not strategy.probe
+    assert strategy.should_branch(0.4, 0.0, 0) and not strategy.should_branch(0.6, 0.0, 0)  # tau 0.5 (default)
     assert components_off(load_config("tiny-cpu", ["rl.algorithm=xpo", "rl.loss.kl_coef=0"]).rl) == ["KL penalty"]
     card = {r.mechanism: r.value for r in algorithm_card(cfg).rows}
     assert card["branch rule"] == "branch iff u <= tau; tau = 0.5" and card["penalty counter c"] == "none"
@@ -110,9 +122,11 @@ def test_config_stage_rollout_and_card_agree_with_the_table(algo: str) -> None:
 
 
 def test_every_line_has_its_own_code_registered() -> None:
-    from stages.rl.strategies import ROLLOUT_STRATEGIES
+    from stages.rl.strategies import BRANCH_RULES
 
-    assert ROLLOUT_STRATEGIES.names() == ALGORITHMS.names() == ["aepo", "arpo", "grpo"]
+    assert ALGORITHMS.names() == ["aepo", "arpo", "grpo"]
+    assert {s.branch_rule for s in ALGORITHMS.values() if s.branches} <= set(BRANCH_RULES.names())
+    assert [s.branch_rule for s in ALGORITHMS.values() if not s.branches] == [""]  # GRPO names none
     assert find_registry("algorithm") is ALGORITHMS  # rl.algorithm names a line of the table
     registries = {"loss.policy_loss": "policy loss"}
     for spec in ALGORITHMS.values():
@@ -120,3 +134,27 @@ def test_every_line_has_its_own_code_registered() -> None:
             if setting.key in registries:  # a loss it implies is registered by that name
                 find_registry(registries[setting.key]).get(setting.value)
     assert "strategy" not in RolloutSection.model_fields
+
+
+def test_the_engine_table_answers_what_each_engine_can_do() -> None:
+    from stages.core.config.rl import RLSection
+    from stages.core.engine_spec import ENGINES
+    from stages.cost.estimate import devices
+    from stages.rl.card import TRAINED
+    from stages.rl.engines import RL_ENGINES
+
+    assert ENGINES.names() == RL_ENGINES.names() == TRAINED.names() == ["local", "verl"]  # each line has its code
+    local, verl = ENGINES.get("local"), ENGINES.get("verl")
+    # by hand: verl spans nnodes x GPUs per node (2 x 8 = 16), the local engine one device
+    rl = RLSection(engine="verl", verl={"nnodes": 2, "n_gpus_per_node": 8})
+    assert verl.devices(rl) == 16 and local.devices(rl) == 1
+    assert devices(load_config("arpo-qwen2.5-7b-reasoning", [])) == 8
+    assert (verl.package, verl.version, verl.priced, local.package, local.priced) == ("verl", "0.9.1", True, "", False)
+    # a setting an engine cannot run is refused by its line when the config loads, with the fix
+    with pytest.raises(ConfigError, match="entropy_scope=micro_batch runs on the local engine only"):
+        load_config("arpo-qwen2.5-7b-reasoning", ["rl.algorithm=aepo", "rl.advantage.entropy_scope=micro_batch"])
+    assert load_config("tiny-cpu", ["rl.algorithm=aepo", "rl.advantage.entropy_scope=micro_batch"]).rl.engine == \
+        "local"
+    off = RLSection(engine="verl").model_copy(update={"trainer": RLSection().trainer.model_copy(
+        update={"old_logprobs": "rollout"})})
+    assert verl.refused(off) == [verl.refuses[1].why] and local.refused(off) == []

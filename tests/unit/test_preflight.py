@@ -12,8 +12,8 @@ import pytest
 from stages.core import preflight as pre
 from stages.core import stage_spec
 from stages.core.config.loader import load_config
-from stages.core.errors import InputError
 from stages.core.env import PROJECT_ROOT
+from stages.core.errors import InputError
 from stages.core.selection import select_stages
 from stages.core.stage_spec import SPECS, STAGE_SPECS, StageTable
 
@@ -95,3 +95,15 @@ def test_arpo_run_fails_on_a_bad_input_before_prefect_or_torch_is_imported(tmp_p
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr
     assert "error: data.train_path" in done.stderr
+
+
+def test_what_a_cached_run_imports_before_the_cache_answers_holds_no_model_library() -> None:
+    """A fully cached `arpo run` imports the flow, its tasks and every stage's key module (each cache key calls its
+    key function): none of them may import torch, transformers or vLLM at import time (they come when a stage
+    runs). `python -X importtime` shows the rest (docs/benchmarks.md, the tiny chain)."""
+    code = ("import sys, flows.pipeline, tasks.eval_serve\n"
+            "from stages.core.isolate import resolve\nfrom stages.core.stage_spec import STAGE_SPECS\n"
+            "for spec in STAGE_SPECS: resolve(spec.key_target)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'datasets', 'llamafactory') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().split("\n")[-1] == "[]", done.stdout + done.stderr

@@ -17,7 +17,7 @@ from stages.rl.branching import (
     penalty_factor,
 )
 from stages.rl.entropy import EntropyWindow, delta_entropy, window_mean, window_sum
-from stages.rl.strategies import ROLLOUT_STRATEGIES, get_strategy
+from stages.rl.strategies import get_strategy
 
 GRID = [(i + 0.5) / 1000 for i in range(1000)]  # u on a uniform grid: fractions are exact to 1/1000
 
@@ -180,8 +180,7 @@ def test_entropy_windows():
         EntropyWindow("late")  # type: ignore[arg-type]
 
 
-def test_strategy_registry():
-    assert ROLLOUT_STRATEGIES.names() == ["aepo", "arpo", "grpo"]
+def test_strategies_from_the_algorithm_table():
     cfg = RolloutSection(n=6, initial_rollouts=2)
     grpo = get_strategy("grpo", cfg)
     assert grpo.initial_rollouts() == 6 and not grpo.branching and not grpo.fill_fresh

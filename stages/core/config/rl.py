@@ -8,6 +8,7 @@ from stages.core.algorithm_spec import ALGORITHMS, foreign_settings
 from stages.core.config.generation import GenerationSettings
 from stages.core.config.rl_engine import VerlSection
 from stages.core.config.section import Section, registry, used_when
+from stages.core.engine_spec import ENGINES
 
 
 class RolloutSection(Section):
@@ -250,27 +251,11 @@ class RLSection(Section):
 
     @model_validator(mode="after")
     def _engine_supports(self) -> RLSection:
-        """Combinations an engine cannot run are refused here, before any work (stages/rl/card.py lists them)."""
-        if self.engine != "verl":
-            return self
-        if self.rollout.entropy_quantity == "full":
-            raise ValueError("rl.rollout.entropy_quantity=full needs the whole distribution, which verl's servers do "
-                             "not return; with rl.engine=verl use topk (our top-k server replica) or surprisal "
-                             "(the stock server)")
-        if self.trainer.old_logprobs == "rollout":
-            raise ValueError("rl.trainer.old_logprobs=rollout runs on the local engine only: verl 0.9.1's trainer "
-                             "always recomputes the old log-probs (its compute_log_prob pass). Use old_logprobs=auto "
-                             "(recompute under verl) with rl.engine=verl, or rl.engine=local")
-        if self.loss.aggregation == "micro_token_mean":
-            raise ValueError("rl.loss.aggregation=micro_token_mean (the reference's per-micro-batch token mean) runs "
-                             "on the local engine only: verl 0.9.1 normalises a token mean over the global "
-                             "mini-batch (agg_loss with batch_num_tokens of all ranks) and has no per-micro-batch "
-                             "mode. Use aggregation=token_mean with rl.engine=verl, or rl.engine=local")
-        if self.advantage.entropy_aware and self.advantage.entropy_scope == "micro_batch":
-            raise ValueError("rl.advantage.entropy_scope=micro_batch runs on the local engine only: verl 0.9.1 "
-                             "hands a policy loss no entropies (workers/utils/losses.py ppo_loss), so the current "
-                             "policy's entropy cannot reach the advantage inside the loss. Use entropy_scope=step "
-                             "(the old policy's entropies over the step, from verl's old-log-prob pass)")
+        """Combinations an engine cannot run are refused here, before any work: its line's `refuses` in
+        stages/core/engine_spec.py (an unknown engine is named by the registry check)."""
+        refused = ENGINES.get(self.engine).refused(self) if self.engine in ENGINES else []
+        if refused:
+            raise ValueError(refused[0])
         return self
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ from stages.core.config.run import RunSection
 from stages.core.config.section import Section
 from stages.core.config.serve import ServeSection
 from stages.core.config.sft import SFTSection
+from stages.core.engine_spec import ENGINES
 
 
 class RunConfig(Section):
@@ -35,11 +36,12 @@ class RunConfig(Section):
     def _local_engine_fits(self) -> RunConfig:
         """Refuse, before any work, a policy the one-device local RL engine cannot hold (sized from its name)."""
         params = None if self.model.source == "toy" else params_from_name(self.model.name, self.model.path)
-        if self.rl.enabled and self.rl.engine == "local" and params is not None:
+        one_device = self.rl.engine in ENGINES and not ENGINES.get(self.rl.engine).cluster  # engine_spec.py
+        if self.rl.enabled and one_device and params is not None:
             problem = local_engine_problem(params, self.rl.local_memory_gb, self.rl.rollout.backend,
                                            self.rl.loss.kl_coef > 0)
             if problem:
-                raise ValueError(f"rl.engine=local with model {self.model.name!r}: {problem}")
+                raise ValueError(f"rl.engine={self.rl.engine} with model {self.model.name!r}: {problem}")
         return self
 
     @model_validator(mode="after")
