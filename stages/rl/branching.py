@@ -16,7 +16,8 @@ def clip01(x: float) -> float:
 
 
 def arpo_should_branch(u: float, tau: float, w: float, dh: float) -> bool:
-    """The reference's rule: branch iff clip(u - w * dH, 0, 1) <= tau (ARPO vllm_rollout_with_tools.py 473-477)."""
+    """ARPO's branch rule as the reference decides it (ARPO vllm_rollout_with_tools.py 473-477); the formula the
+    card states is BRANCH_RULES["arpo"] in stages/rl/strategies.py."""
     return clip01(u - w * dh) <= tau
 
 
@@ -33,7 +34,7 @@ def consecutive_rounds(c: int, added: int) -> int:
 
 
 def aepo_branch_score(u: float, w: float, dh: float, c: int, penalty: float) -> float:
-    """AEPO: clip((u + w * dH) * max(0, 1 - penalty * c), 0, 1)."""
+    """AEPO's score, the left side of its rule (BRANCH_RULES["aepo"] in stages/rl/strategies.py)."""
     return clip01((u + w * dh) * penalty_factor(c, penalty))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import pkgutil
 import typing
 from pathlib import Path
 
@@ -169,8 +170,10 @@ def test_each_stage_writes_the_folder_named_after_it_with_the_key_the_table_name
     module = importlib.import_module(spec.module)
     assert callable(getattr(module, spec.entry.partition(":")[2])) and callable(getattr(module, spec.key))
     assert _folder_names(spec.module) == {spec.name}
-    tasks = [t for m in ("bootstrap", "data", "sft", "rl", "heldout", "eval_infer", "eval_score")
-             for t in vars(importlib.import_module(f"tasks.{m}")).values()
+    import tasks as task_package  # every task module, found, not listed
+
+    tasks = [t for info in pkgutil.iter_modules(task_package.__path__)
+             for t in vars(importlib.import_module(f"tasks.{info.name}")).values()
              if isinstance(getattr(t, "cache_policy", None), StageKey) and t.cache_policy.stage == spec.name]
     assert tasks and all(t.name == spec.name and t.cache_policy.function.__name__ == spec.key for t in tasks)
 
