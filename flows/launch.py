@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 
@@ -31,7 +32,7 @@ def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace, c
     preflight(cfg, selection, remember=True)  # inputs, interpreters, seams, memory, benchmarks: before Prefect
     threads = cfg.run.torch_threads or free_cpu_threads()  # the cores free at start
     ui = use_local_server_if_running(ephemeral=args.ephemeral)
-    from flows.pipeline import pipeline
+    pipeline = import_flow()
     from tasks.common import TORCH_THREADS_ENV
 
     os.environ[TORCH_THREADS_ENV] = str(threads)  # torch's threads, applied when a stage task runs here
@@ -52,3 +53,24 @@ def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace, c
     print(f"\nrun record: {summary['run_dir']}")
     print(f"web UI:     {ui}" if ui else "web UI:     start it with `arpo server start`, then rerun (cached)")
     return summary
+
+
+def import_flow() -> Any:
+    """The pipeline flow, imported without the pandas import Prefect makes of its own accord: prefect 3.7.2's
+    cache_policies.py (`_register_stable_transforms`, run at import, lines 33-46) imports pandas when it is installed,
+    only to make DataFrame inputs hash stably under its INPUTS cache policy. No task here keys on its inputs that way
+    (stage tasks key on tasks.common.StageKey, the rest are NO_CACHE), and pandas is a third of a second of a cached
+    run's start-up on the 2-core box (docs/benchmarks.md, the tiny chain). Later imports of pandas (the report stage
+    builds its tables with it) work as usual."""
+    blocked = "pandas" not in sys.modules
+    if blocked:
+        sys.modules["pandas"] = None  # type: ignore[assignment]  # `import pandas` raises ImportError meanwhile
+    try:
+        import prefect.cache_policies  # noqa: F401
+    finally:
+        if blocked:
+            del sys.modules["pandas"]
+    from flows.pipeline import pipeline
+
+    return pipeline
+

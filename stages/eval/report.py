@@ -16,9 +16,8 @@ own heading, and retried by the next run."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import yaml
 
 from stages.core.atomic import write_text
@@ -27,6 +26,9 @@ from stages.core.config.eval import EvalSection
 from stages.core.fingerprint import hash_path, hash_value
 from stages.core.refs import Ref, ScoresRef
 from stages.core.workspace import stage_dir
+
+if TYPE_CHECKING:  # pandas is imported where a table is built: computing the key (a cached run) needs none
+    import pandas as pd
 
 STAGE = "report"
 REFERENCE_FILE = Path(__file__).with_name("reference_numbers.yaml")
@@ -38,6 +40,8 @@ _RATES = ("em", "f1", "acc", "math_equal", "llm_equal", "tool_use_rate", "judge_
 
 def load_reference_numbers(path: str | Path = REFERENCE_FILE) -> pd.DataFrame:
     """Published numbers as a table: setting, model, method, benchmark, metric, value, source."""
+    import pandas as pd
+
     data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     settings = data.get("settings") or {}
     rows = []
@@ -201,6 +205,8 @@ def stage_gain_rows(gains: dict[str, ScoresRef]) -> list[dict[str, Any]]:
 def render_gains(gains: dict[str, ScoresRef], confidence: float) -> list[str]:
     if not gains:
         return []
+    import pandas as pd
+
     first = next(iter(gains.values()))
     table = pd.DataFrame(stage_gain_rows(gains)).round(2).astype(object)
     return ["## What each stage bought (held-out split)", "",
@@ -219,6 +225,8 @@ def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | P
     reference = load_reference_numbers()
     rows = report_rows([s.meta for s in scores], reference, cfg.reference_setting)
     if not out.complete:
+        import pandas as pd
+
         table = pd.DataFrame(rows)
         write_text(out.path / "report.csv", table.to_csv(index=False))
         markdown = render_markdown(table, reference, cfg.confidence)
