@@ -113,8 +113,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     args = parser.parse_args()
     parent = Path(tempfile.mkdtemp(prefix="arpo-tiny-chain-"))
-    clone, port = make_clone(subprocess.run(["git", "rev-parse", args.commit], cwd=PROJECT_ROOT, check=True,
-                                            capture_output=True, text=True).stdout.strip(), parent)
+    commit = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=PROJECT_ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    clone, port = make_clone(commit, parent)
     log = parent / "runs.log"
     print(f"clone: {clone} (Prefect port {port}); output: {log}", flush=True)
     try:
@@ -142,8 +143,9 @@ def main() -> None:
                       "`./scripts/run-tiny.sh` cold and fully cached, and a fully cached `arpo run` alone",
                  command="flock /tmp/arpo-heavy.lock .venv/bin/python bench/bench_tiny_chain.py",
                  details="#the-tiny-chain-scriptsrun-tinysh",
-                 conditions={"profile": "tiny-cpu", "checkout": "a fresh clone of the commit: no outputs, no .cache, "
-                             "no .prefect; this checkout's environments linked in",
+                 conditions={"profile": "tiny-cpu", "clone_of": commit,
+                             "checkout": "a fresh clone of the commit: no outputs, no .cache, no .prefect; this "
+                                         "checkout's environments linked in",
                              "timing": "wall clock of each command; start-up = until `arpo run` prints its profile "
                                        "line (just before the flow)",
                              "load_average_before": {"cold": cold["load"], "run-tiny.sh": [r["load"] for r in tiny],
