@@ -7,7 +7,9 @@ its task runs. Writes bench/results/tiny_chain.json (docs/benchmarks.md, "The ti
 The clone (`git clone` of the commit into a temp folder) has no outputs, no .cache and no .prefect, so the cold run
 bootstraps the model (the GGUF wheel fetched and converted), trains, serves and evaluates; the environments are this
 checkout's (`.venv`, `.venv-vllm` linked into the clone, with PYTHONPATH pointing at the clone so its code is the
-code that runs; their install stamps make the set-up step a check). The clone's Prefect server gets a free port of
+code that runs; their install stamps make the set-up step a check: the bench refuses to start when a stamp is not
+the cloned commit's, since the clone's set-up would then install into this checkout's environments, pointing their
+editable install at the clone). The clone's Prefect server gets a free port of
 its own (its prefect.toml is rewritten to it), so a server this checkout runs is not shared. A cached command's
 start-up is the time until `arpo run` prints its `profile ...:` line, just before the flow's first line: the
 interpreter, the imports (Prefect's included), the config and the one pre-flight. Run it on a quiet box: the load
@@ -57,6 +59,20 @@ def make_clone(commit: str, parent: Path) -> tuple[Path, int]:
     toml = clone / "prefect.toml"
     toml.write_text(toml.read_text().replace("127.0.0.1:4200", f"127.0.0.1:{port}"))
     return clone, port
+
+
+def stale_environments(clone: Path) -> list[str]:
+    """The linked environments whose install stamp is not the one the clone's set-up scripts would look for (each
+    script's own `stamp=` line, evaluated in the clone), so its set-up would reinstall into them."""
+    stale = []
+    for script, venv in (("scripts/setup.sh", ".venv"), ("scripts/setup-vllm.sh", ".venv-vllm")):
+        line = next(x for x in (clone / script).read_text().splitlines() if x.startswith("stamp="))
+        flavor = os.environ.get("ARPO_VLLM_FLAVOR", "cpu")  # setup-vllm.sh's default off a GPU box
+        stamp = subprocess.run(["bash", "-c", f'VENV={venv}; flavor={flavor}; {line}; echo "$stamp"'], cwd=clone,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        if (PROJECT_ROOT / venv).exists() and not (PROJECT_ROOT / stamp).exists():
+            stale.append(f"{venv} (no {stamp})")
+    return stale
 
 
 def clone_env(clone: Path) -> dict[str, str]:
@@ -116,6 +132,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=PROJECT_ROOT, check=True,
                             capture_output=True, text=True).stdout.strip()
     clone, port = make_clone(commit, parent)
+    stale = stale_environments(clone)
+    if stale:
+        shutil.rmtree(parent, ignore_errors=True)
+        raise SystemExit(f"the environments are not installed for {commit}: {', '.join(stale)}. Run ./scripts/setup.sh "
+                         "in this checkout (at that commit) first: the clone's set-up would install into them")
     log = parent / "runs.log"
     print(f"clone: {clone} (Prefect port {port}); output: {log}", flush=True)
     try:
