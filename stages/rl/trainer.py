@@ -258,8 +258,9 @@ class RLTrainer:
                "old_logprob/recomputed_rows": float(tensors.recomputed_rows),
                "old_logprob/from_rollout": float(tensors.old_source == "rollout")}
         if tensors.old_source == "recompute":  # else the update measured it (before its first optimizer step)
-            out["rollout/logp_mismatch"] = float(((tensors.sample_logp_BT - tensors.old_logp_BT).abs() * mask).sum()
-                                                 / n)
+            sampled = mask if tensors.sampled_BT is None else tensors.sampled_BT  # not the environment's EOS
+            out["rollout/logp_mismatch"] = float(((tensors.sample_logp_BT - tensors.old_logp_BT).abs() * sampled).sum()
+                                                 / sampled.sum().clamp(min=1))
         if tensors.ref_logp_BT is not None:
             out["kl/ref"] = float(((tensors.old_logp_BT - tensors.ref_logp_BT) * mask).sum() / n)
         return out

@@ -44,6 +44,9 @@ class StepTensors:
     old_source: str = "recompute"     # recompute | rollout (old_logprob_source)
     recomputed_rows: int = 0          # rows whose old log-probs came from a no-grad pass
     keep_B: torch.Tensor | None = None  # bool: rows trained on (None = all)
+    # trained tokens the sampler drew (the mask without the EOS the environment appends: its "sample log-prob" is a
+    # placeholder 0), over which the sampler-vs-trainer mismatch is measured
+    sampled_BT: torch.Tensor | None = None
 
     def select(self, rows_R: torch.Tensor) -> StepTensors:
         """The same tensors for the rows `rows_R` (long indices), in that order."""
@@ -56,7 +59,8 @@ class StepTensors:
 
         return StepTensors(batch, self.rewards_B[rows_R], self.group_B[rows_R], self.old_logp_BT[rows_R],
                            self.adv_BT[rows_R], pick(self.entropy_BT), pick(self.ref_logp_BT),
-                           pick(self.sample_logp_BT), self.old_source, self.recomputed_rows, pick(self.keep_B))
+                           pick(self.sample_logp_BT), self.old_source, self.recomputed_rows, pick(self.keep_B),
+                           pick(self.sampled_BT))
 
 
 def branch_parents(rollouts: RolloutBatch) -> tuple[list[int | None], list[int]]:
@@ -100,6 +104,17 @@ def sample_logprobs(trajs: list, width: int) -> torch.Tensor:
         if traj.sample_logprobs:
             sample[b, :len(traj.sample_logprobs)] = torch.tensor(traj.sample_logprobs, dtype=torch.float32)
     return sample
+
+
+def sampled_mask(trajs: list, mask_BT: torch.Tensor) -> torch.Tensor:
+    """`mask_BT` without the tokens the sampler did not draw: the EOS the environment appends after a refused call
+    (meta forced_eos; its sample log-prob is a placeholder 0, 17 nats from the trainer's on a real run)."""
+    sampled = mask_BT.clone()
+    for b, traj in enumerate(trajs):
+        at = traj.meta.get("forced_eos")
+        if at is not None and at < sampled.shape[1]:
+            sampled[b, at] = 0
+    return sampled
 
 
 def _old_logprobs(cfg: RLSection, model: torch.nn.Module, trajs: list, batch: Collated, sample: torch.Tensor,
@@ -149,7 +164,7 @@ def build_step_tensors(cfg: RLSection, model: torch.nn.Module, ref_model: torch.
     adv_BT = compute_advantages(cfg.advantage, rewards_B, group_B, batch.mask_BT, owner_BT,
                                 entropy if step_entropy_scaling(cfg) else None, keep_B)
     return StepTensors(batch, rewards_B, group_B, old_logp, adv_BT, entropy, ref_logp, sample, source, recomputed,
-                       keep_B)
+                       keep_B, sampled_mask(trajs, batch.mask_BT))
 
 
 def _trim(batch: Collated) -> tuple[Collated, int]:
@@ -206,7 +221,7 @@ def _observe(data: StepTensors, rows: slice, logp: torch.Tensor, entropy: torch.
     if entropy is not None:
         data.entropy_BT[rows, :t] = entropy
     if before_update and data.sample_logp_BT is not None:
-        mask = data.batch.mask_BT[rows, :t]
+        mask = (data.batch.mask_BT if data.sampled_BT is None else data.sampled_BT)[rows, :t]
         mismatch[0] += float(((data.sample_logp_BT[rows, :t] - logp).abs() * mask).sum())
         mismatch[1] += float(mask.sum())
 

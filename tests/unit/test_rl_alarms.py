@@ -93,22 +93,24 @@ def test_nonfinite_values(key, value):
 
 
 def test_sampler_drift_against_the_first_step():
-    # the tiny chain with vLLM rollouts before the tied-head fix: 4.0e-6 at step 1, 0.024 at step 2 (6000x, > 1e-3)
-    assert fired(stream(**{"rollout/logp_mismatch": [4.0e-6, 0.024]})) == {2: ["sampler_drift"]}
-    # bf16-like noise: 0.03 then 0.05 (1.7x < 10x) is quiet; fp32 jitter 4e-6 -> 9e-4 is 225x but under the floor 1e-3
+    # the chain bench with the old refresh (a stale tied head), the environment's EOS left out: 4.0e-6 at step 1;
+    # at step 2 2.3e-3 (lr 3e-5) and 1.9e-4 (lr 3e-6): >= 10x and > the floor 1e-4, both fire
+    assert fired(stream(**{"rollout/logp_mismatch": [4.0e-6, 2.3e-3]})) == {2: ["sampler_drift"]}
+    assert fired(stream(**{"rollout/logp_mismatch": [4.0e-6, 1.9e-4]})) == {2: ["sampler_drift"]}
+    # bf16-like noise: 0.03 then 0.05 (1.7x < 10x) is quiet; fp32 jitter 4e-6 -> 9e-5 is 22x but under the floor 1e-4
     assert fired(stream(**{"rollout/logp_mismatch": [0.03, 0.05, 0.04]})) == {}
-    assert fired(stream(**{"rollout/logp_mismatch": [4e-6, 9e-4]})) == {}
+    assert fired(stream(**{"rollout/logp_mismatch": [4e-6, 9e-5]})) == {}
     # 10x the first step exactly fires (>=): 2e-3 -> 2e-2
     assert fired(stream(**{"rollout/logp_mismatch": [2e-3, 1e-2, 2e-2]})) == {3: ["sampler_drift"]}
     # above drift_max 0.5 fires at any step, the first included (two different models)
     assert fired(stream(**{"rollout/logp_mismatch": [0.7]})) == {1: ["sampler_drift"]}
     # a first step of 0 (a sampler sharing the trainer's tensors): anything over the floor fires
-    assert fired(stream(**{"rollout/logp_mismatch": [0.0, 5e-4, 2e-3]})) == {3: ["sampler_drift"]}
+    assert fired(stream(**{"rollout/logp_mismatch": [0.0, 5e-5, 2e-4]})) == {3: ["sampler_drift"]}
 
 
 def test_sampler_drift_stops_the_run_by_default(tmp_path, recorded):
     with pytest.raises(AlarmStop, match="sampler_drift.*not sampling from the policy"):
-        AlarmWatch(RULES, tmp_path / "a.jsonl").check(stream(**{"rollout/logp_mismatch": [4.0e-6, 0.024]}))
+        AlarmWatch(RULES, tmp_path / "a.jsonl").check(stream(**{"rollout/logp_mismatch": [4.0e-6, 2.3e-3]}))
 
 
 def test_disabled_alarms_stay_quiet():

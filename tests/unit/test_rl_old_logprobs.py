@@ -45,7 +45,7 @@ def sample(model, prompt: list[int], n: int, gen: torch.Generator) -> tuple[list
     return ids, logps
 
 
-def sampled_rollouts(model, seed: int = 0) -> RolloutBatch:
+def sampled_rollouts(model, seed: int = 0, forced_group: int = 1) -> RolloutBatch:
     """2 groups x 2 trajectories; group prompts differ in length; each trajectory: a sampled segment, a 3-token
     tool result (mask 0, log-prob 0), a second sampled segment; one trajectory ends with an appended EOS."""
     gen = torch.Generator().manual_seed(seed)
@@ -59,7 +59,7 @@ def sampled_rollouts(model, seed: int = 0) -> RolloutBatch:
             t = Trajectory(traj_id=i, group=g, prompt_ids=prompt, response_ids=first + result + second,
                            loss_mask=[1] * len(first) + [0] * 3 + [1] * len(second),
                            sample_logprobs=lp1 + [0.0] * 3 + lp2)
-            if g == 1 and i == 0:  # the environment's EOS: the policy did not sample it, no log-prob
+            if g == forced_group and i == 0:  # the environment's EOS: the policy did not sample it, no log-prob
                 t.meta["forced_eos"] = len(t.response_ids)
                 t.response_ids.append(EOS)
                 t.loss_mask.append(1)
@@ -141,6 +141,22 @@ def test_rollout_logprobs_give_the_recomputed_loss(tiny_llama, shared):
     # one AdamW step later in the second) and the sampler's log-prob mismatch before any step
     assert torch.allclose(t_ro.entropy_BT[:2], t_re.entropy_BT[:2], atol=TOL)
     assert 0 <= s_ro["rollout/logp_mismatch"] < TOL
+
+
+@pytest.mark.parametrize("source", ["recompute", "rollout"])
+def test_the_sampler_mismatch_leaves_out_the_environments_eos(tiny_llama, source):
+    # the forced EOS in the first mini-batch (group 0), where the mismatch is measured: its placeholder log-prob 0
+    # is not the sampler's (the trainer gives it log p ~ -ln 64 = -4.2 here, -17.5 on a real chain run), so the
+    # mismatch counts only the tokens the sampler drew and stays at float rounding on both paths
+    from stages.rl.trainer import RLTrainer
+
+    rollouts = sampled_rollouts(tiny_llama, forced_group=0)
+    tensors, stats, _ = run_update(tiny_llama, cfg(old_logprobs=source), rollouts)
+    forced = rollouts.groups[0].trajectories[0].meta["forced_eos"]
+    assert tensors.batch.mask_BT[0, forced] == 1 and tensors.sampled_BT[0, forced] == 0
+    assert int(tensors.sampled_BT.sum()) == int(tensors.batch.mask_BT.sum()) - 1
+    mismatch = stats.get("rollout/logp_mismatch", RLTrainer._tensor_metrics(tensors).get("rollout/logp_mismatch"))
+    assert 0 <= mismatch < TOL
 
 
 def test_rollout_logprobs_with_an_outage_masked_row(tiny_llama):

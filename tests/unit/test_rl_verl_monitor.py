@@ -61,6 +61,8 @@ def test_logp_mismatch_is_the_mean_absolute_gap_over_response_tokens():
     old = torch.tensor([[-1.5, -2.0, 0.0], [-0.4, -9.0, -9.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert logp_mismatch(rollout, old, mask) == pytest.approx(0.8 / 3)
+    # row 1's token 0 as the EOS our tree loop appended after a refused call: no sampling log-prob, left out
+    assert logp_mismatch(rollout, old, mask, [None, 0]) == pytest.approx(0.5 / 2)
 
 
 def _log(path, *steps, value=1.0):

@@ -86,10 +86,15 @@ def rollout_metrics(uids: Sequence[Any], extras: Sequence[dict[str, Any]], score
     return row
 
 
-def logp_mismatch(rollout_logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+def logp_mismatch(rollout_logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                  forced_B: Sequence[int | None] = ()) -> float:
     """Mean over response tokens of |log p_rollout - log p_trainer| (the sampler-vs-policy gap of the local engine's
-    `rollout/logp_mismatch`): verl's vLLM log-probs of the tokens it sampled vs the actor's old-log-prob pass."""
-    mask = mask_BT.float()
+    `rollout/logp_mismatch`): verl's vLLM log-probs of the tokens it sampled vs the actor's old-log-prob pass. A row's
+    `forced_B` position (the EOS our tree loop appends after a refused call: no sampling log-prob) is left out."""
+    mask = mask_BT.float().clone()
+    for b, at in enumerate(forced_B):
+        if at is not None and at < mask.shape[1]:
+            mask[b, at] = 0
     return float(((rollout_logp_BT.float() - old_logp_BT.float()).abs() * mask).sum() / mask.sum().clamp(min=1))
 
 

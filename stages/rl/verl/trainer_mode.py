@@ -18,6 +18,7 @@ here rather than silently dropped.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
+from stages.rl.tree_record import TREE_FIELD
 from stages.rl.verl.advantage import step_advantages, tree_metrics
 from stages.rl.verl.failures import INFRA, TreeFailureLog
 from stages.rl.verl.mapping import TRAINER_MODE
@@ -73,8 +75,9 @@ def advantages_from_store(data: TensorDict, padding: list[bool], n: int,
                                   lengths[idx], entropy[idx] if entropy is not None else None, vocab_size)
         metrics["advantage/mean_abs"] = float((adv[idx].abs() * model_BT).sum() / model_BT.sum().clamp(min=1))
         if "rollout_log_probs" in data.keys() and "old_log_probs" in data.keys():
+            forced = [json.loads(extras[r].get(TREE_FIELD) or "{}").get("forced_eos") for r in real]
             metrics["rollout/logp_mismatch"] = logp_mismatch(_padded(data["rollout_log_probs"])[idx],
-                                                             _padded(data["old_log_probs"])[idx], model_BT)
+                                                             _padded(data["old_log_probs"])[idx], model_BT, forced)
     nested = response_to_nested(adv, mask)
     return TensorDict({"advantages": nested, "returns": nested}, batch_size=[adv.shape[0]]), trees, metrics
 
