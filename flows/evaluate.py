@@ -1,5 +1,9 @@
-"""Per-benchmark fan-out of inference and scoring, as a subflow whose task runner the config picks
-(threads here, or Ray workers through prefect-ray). Serving and teardown stay in the parent flow."""
+"""Per-benchmark fan-out of inference and scoring (eval.fanout): `threads` runs it in the pipeline flow itself, on
+that flow's thread pool; `ray` runs it as a subflow on Ray workers through prefect-ray (a task runner belongs to a
+flow). Threads need no flow run of their own: a subflow costs a cached run its creation and the join of its
+heartbeat thread, which Prefect 3.7 wakes once a second (prefect/flow_engine.py `_send_heartbeats`), up to a
+second of a rerun that otherwise takes a few (docs/benchmarks.md, the tiny chain). Serving and teardown stay in the
+pipeline flow."""
 
 from __future__ import annotations
 
@@ -44,4 +48,7 @@ def _with_ray(cfg: RunConfig) -> Flow:
     return evaluate_benchmarks.with_options(task_runner=runner)
 
 
-FANOUT: dict[str, Callable[[RunConfig], Flow]] = {"threads": lambda cfg: evaluate_benchmarks, "ray": _with_ray}
+FANOUT: dict[str, Callable[[RunConfig], Callable[..., dict[str, Any]]]] = {
+    "threads": lambda cfg: evaluate_benchmarks.fn,  # in the calling flow, on its thread pool
+    "ray": _with_ray,                                # a subflow with a Ray task runner
+}

@@ -1,4 +1,11 @@
-"""What every stage task shares: the one cache key, retries, and how a forced refresh is applied.
+"""What every stage task shares: the one cache key, retries, how a forced refresh is applied, and the stage table's
+line read off the task (its name is the stage's).
+
+Built from the table (stages/core/stage_spec.py): `stage_task("<stage>")` caches on the key function the line names
+(a name not in the table raises, naming the nearest ones); a task's body calls `call_entry(...)`, the line's entry
+point, here or under the interpreter the task is given; `entry_task("<stage>")` is the whole task of a stage with no
+artifacts of its own. The flow calls each task through `StageRunner`, which reads the stage off the task and fills in
+its refresh, the output and cache roots and, for a line that may run under another interpreter, `python`.
 
 One key per stage: the Prefect cache key of a stage task is the stage's own key function (the one that names its
 output folder, e.g. `stages.eval.inference.infer_key`) called on the task's inputs, plus where the folder lives
