@@ -3,6 +3,7 @@ and a fully cached `arpo run` alone (the Prefect server already up), each by wal
 its task runs. Writes bench/results/tiny_chain.json (docs/benchmarks.md, "The tiny chain").
 
     flock /tmp/arpo-heavy.lock .venv/bin/python bench/bench_tiny_chain.py [--reruns 2] [--commit HEAD] [--keep]
+        [-o KEY=VALUE ...]     # overrides for every run (recorded with the result)
 
 The clone (`git clone` of the commit into a temp folder) has no outputs, no .cache and no .prefect, so the cold run
 bootstraps the model (the GGUF wheel fetched and converted), trains, serves and evaluates; the environments are this
@@ -127,6 +128,8 @@ def main() -> None:
     parser.add_argument("--commit", default="HEAD", help="the commit to clone (default: this checkout's HEAD)")
     parser.add_argument("--reruns", type=int, default=2, help="fully cached reruns of each command")
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (arpo run -o), recorded with the result")
     args = parser.parse_args()
     parent = Path(tempfile.mkdtemp(prefix="arpo-tiny-chain-"))
     commit = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=PROJECT_ROOT, check=True,
@@ -140,11 +143,12 @@ def main() -> None:
     log = parent / "runs.log"
     print(f"clone: {clone} (Prefect port {port}); output: {log}", flush=True)
     try:
-        cold = timed(["./scripts/run-tiny.sh"], clone, log)
+        extra = [arg for override in args.override for arg in ("-o", override)]
+        cold = timed(["./scripts/run-tiny.sh", *extra], clone, log)
         print(f"cold run-tiny.sh: {cold}", flush=True)
-        tiny = [timed(["./scripts/run-tiny.sh"], clone, log) for _ in range(args.reruns)]
+        tiny = [timed(["./scripts/run-tiny.sh", *extra], clone, log) for _ in range(args.reruns)]
         print(f"cached run-tiny.sh: {tiny}", flush=True)
-        run = [timed([".venv/bin/arpo", "run"], clone, log) for _ in range(args.reruns)]
+        run = [timed([".venv/bin/arpo", "run", *extra], clone, log) for _ in range(args.reruns)]
         print(f"cached arpo run: {run}", flush=True)
         rows = step_rows(port)
     finally:
@@ -164,7 +168,7 @@ def main() -> None:
                       "`./scripts/run-tiny.sh` cold and fully cached, and a fully cached `arpo run` alone",
                  command="flock /tmp/arpo-heavy.lock .venv/bin/python bench/bench_tiny_chain.py",
                  details="#the-tiny-chain-scriptsrun-tinysh",
-                 conditions={"profile": "tiny-cpu", "clone_of": commit,
+                 conditions={"profile": "tiny-cpu", "overrides": args.override, "clone_of": commit,
                              "checkout": "a fresh clone of the commit: no outputs, no .cache, no .prefect; this "
                                          "checkout's environments linked in",
                              "timing": "wall clock of each command; start-up = until `arpo run` prints its profile "
