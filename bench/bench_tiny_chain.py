@@ -166,7 +166,7 @@ def main() -> None:
                          "alone {cached_arpo_run_s[0]:.1f} s ({cached_startup_s[0]:.1f} s of it before the flow)",
                  what="the whole tiny chain as a user runs it (profile `tiny-cpu`, vLLM serving), from a fresh clone: "
                       "`./scripts/run-tiny.sh` cold and fully cached, and a fully cached `arpo run` alone",
-                 command="flock /tmp/arpo-heavy.lock .venv/bin/python bench/bench_tiny_chain.py",
+                 command="bench/bench_tiny_chain.py",
                  details="#the-tiny-chain-scriptsrun-tinysh",
                  conditions={"profile": "tiny-cpu", "overrides": args.override, "clone_of": commit,
                              "checkout": "a fresh clone of the commit: no outputs, no .cache, no .prefect; this "
