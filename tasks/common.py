@@ -255,15 +255,20 @@ def call_entry(python: str | None = None, force: bool | None = None, **kwargs: A
     return call_stage(current_stage().entry, python, **kwargs, force=forced() if force is None else force)
 
 
-@functools.cache
 def entry_task(stage: str) -> Task:
     """The task of a stage that needs nothing beyond its entry point (no artifacts of its own): the entry's
     parameters (without `force`; with `python` when the stage may run under another interpreter), cached on the
     table's key function. A stage whose task publishes artifacts writes its own in tasks/ with `stage_task`."""
+    return _entry_task(spec(stage))
+
+
+@functools.cache
+def _entry_task(line: StageSpec) -> Task:
+    """One task per line (a line that changes, as a test's does, gets its own)."""
     from stages.core.isolate import resolve
     from tasks.secrets import export_search_key
 
-    line = spec(stage)
+    stage = line.name
     params = [p for name, p in inspect.signature(resolve(line.entry)).parameters.items() if name != "force"]
     if line.isolatable:
         params.append(inspect.Parameter("python", inspect.Parameter.KEYWORD_ONLY, default=None))
