@@ -79,7 +79,7 @@ def run_deployment(deployed: dict, *params: str) -> tuple[str, dict[str, set[str
 
 
 def task_states(env: dict, flow_run_id: str) -> dict[str, set[str]]:
-    """Task runs of the flow run and of its subflows (infer/score run inside the `evaluate` subflow)."""
+    """Task runs of the flow run and of its subflows (with eval.fanout: ray, infer/score run in the `evaluate` subflow)."""
     code = f"""
 import asyncio, json
 from prefect.client.orchestration import get_client
