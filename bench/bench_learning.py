@@ -40,13 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench.results import write_result
+from stages.core.algorithm_spec import SPECS as ALGORITHM_SPECS
 from stages.core.env import PROJECT_ROOT, configure_environment
 
 configure_environment()
 
 BENCH = Path(__file__).resolve().parent
 FAMILIES = ("arith", "chain")
-ALGOS = ("grpo", "arpo", "aepo")
+ALGOS = tuple(spec.name for spec in ALGORITHM_SPECS)   # the algorithm table, in its order
+BASELINE = next(spec.name for spec in ALGORITHM_SPECS if not spec.branches)  # independent samples: GRPO
 VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
 STEP_KEYS = ("step", "reward/mean", "accuracy", "entropy/mean", "tools/calls_per_traj",
              "rollout/tool_calls_executed_per_traj", "rollout/branches_per_group", "rollout/fresh_per_group",
@@ -101,7 +103,7 @@ def overlay(family: str) -> dict:
     return deep_merge(read_yaml(BENCH / "learning.yaml"), read_yaml(path))
 
 
-def load(args: argparse.Namespace, family: str, algo: str = "grpo"):
+def load(args: argparse.Namespace, family: str, algo: str = BASELINE):
     import tempfile
 
     import yaml
@@ -162,7 +164,7 @@ def worker(args: argparse.Namespace, job: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the time limit: unwind so tools and caches close
     family, _, run = job.partition("/")
     algo, _, seed = run.partition(":")
-    cfg = load(args, family, "grpo" if run == "sft" or algo == "sftsteps" else algo)
+    cfg = load(args, family, BASELINE if run == "sft" or algo == "sftsteps" else algo)
     _, data, sft = prepare(cfg, Path(args.root))
     if algo == "sftsteps":
         from bench.learning_baseline import sft_step_rewards
@@ -365,14 +367,14 @@ def record(args: argparse.Namespace, root: Path, families: list[str], minutes: f
                  summary="held-out accuracy" + label + ", " + "; ".join(parts),
                  what="does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, held-out accuracy "
                       "with paired intervals" + (f"; variant {args.tag}" if args.tag else ""),
-                 command="bench/bench_learning.py" + (f" --tag {args.tag} " + " ".join(f"-o {o}" for o in args.override)
-                                                      if args.tag else ""),
+                 command="bench/bench_learning.py",  # a variant's --tag and -o overrides: conditions
                  details="#does-rl-learn-grpo-arpo-and-aepo-measured-benchbench_learningpy",
                  conditions={"families": sorted({t.split("-")[0] for t in tables}), "algorithms": args.algos.split(","),
                              "seeds": args.seeds.split(","),
                              "steps": args.steps, "questions": args.questions, "samples": args.samples,
                              "sft_samples": args.sft_samples, "temperature": args.temperature,
-                             "backend": args.backend, "jobs": args.jobs, "overrides": args.override},
+                             "backend": args.backend, "jobs": args.jobs, "tag": args.tag,
+                             "overrides": args.override},
                  tables=tables)
 
 

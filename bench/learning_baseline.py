@@ -25,6 +25,7 @@ def sft_step_rewards(cfg: Any, sft: Any, data: Any, seed: int, out: Path) -> dic
     import torch
 
     from stages.agent.rewards import compute_rewards
+    from stages.core.algorithm_spec import SPECS
     from stages.core.atomic import write_json
     from stages.core.env import PROJECT_ROOT
     from stages.core.rl_parquet import read_rl_parquet
@@ -34,13 +35,14 @@ def sft_step_rewards(cfg: Any, sft: Any, data: Any, seed: int, out: Path) -> dic
     from stages.rl.step_metrics import rollout_metrics
     from stages.rl.trainer import epoch_order, rollout_seed, step_counts
 
+    baseline = next(spec.name for spec in SPECS if not spec.branches)  # independent samples, as GRPO draws them
     rows = read_rl_parquet(data.file("rl_train"))
     per_epoch, total = step_counts(len(rows), cfg.rl)
     size = cfg.rl.trainer.train_batch_size
     model = load_policy(sft, torch.float32).eval()
     tokenizer = load_tokenizer(sft)
     session = RolloutSession(cfg.rl.rollout.generation(), cfg.agent, model, tokenizer, data,
-                             PROJECT_ROOT / ".cache", seed, make_rollout=tree_rollouts(cfg.rl.rollout, "grpo"))
+                             PROJECT_ROOT / ".cache", seed, make_rollout=tree_rollouts(cfg.rl.rollout, baseline))
     steps = []
     try:
         for step in range(total):

@@ -17,6 +17,10 @@ from typing import Any
 import numpy as np
 
 from bench.learning_baseline import steps_against_sft
+from stages.core.algorithm_spec import SPECS
+
+ALGOS = tuple(spec.name for spec in SPECS)   # the algorithm table, in its order
+BASELINE = next(spec.name for spec in SPECS if not spec.branches)  # what the tree algorithms are compared with
 
 EARLY_LATE = 3  # steps averaged for "early" (first) and "late" (last) training values
 COLLAPSE_ALARMS = ("reward_at_floor", "reward_collapse", "entropy_collapse", "tool_collapse", "nonfinite_loss")
@@ -146,7 +150,7 @@ def per_question(runs: list[dict[str, Any]]) -> np.ndarray:
     return np.array([r["correct_Q"] for r in runs], dtype=float).T
 
 
-def compare(by_algo: dict[str, list[dict[str, Any]]], algo: str, base: str = "grpo") -> dict[str, Any] | None:
+def compare(by_algo: dict[str, list[dict[str, Any]]], algo: str, base: str = BASELINE) -> dict[str, Any] | None:
     """`algo` vs `base`: held-out accuracy difference with its two-level interval, tool-call ratios."""
     if algo not in by_algo or base not in by_algo:
         return None
@@ -185,19 +189,20 @@ def verdicts(summaries: dict[str, dict[str, Any]], sft: dict[str, Any],
     lines.append("sanity: advantage sign = sign(reward - group mean) for "
                  + ", ".join(f"{algo} {value:.0%}" for algo, value in signs.items())
                  + " of the trajectories in groups with a reward signal (lowest seed)")
-    for algo in ("arpo", "aepo"):
+    base = BASELINE.upper()
+    for algo in (a for a in ALGOS if a != BASELINE):
         c = compare(by_algo or {}, algo)
         if c is None:
             continue
         name = algo.upper()
         verdict = ("not distinguishable at this scale" if c["low"] <= 0 <= c["high"]
-                   else f"{name} higher" if c["diff"] > 0 else "GRPO higher")
-        lines.append(f"claim 1 ({name} more accurate than GRPO): held-out accuracy {name} - GRPO {c['diff']:+.3f}, "
+                   else f"{name} higher" if c["diff"] > 0 else f"{base} higher")
+        lines.append(f"claim 1 ({name} more accurate than {base}): held-out accuracy {name} - {base} {c['diff']:+.3f}, "
                      f"95% interval over questions and seeds [{c['low']:+.3f}, {c['high']:+.3f}] -> {verdict}")
         (ta, tg, tr), (ea, eg, er) = c["train_exec"], c["eval"]
         half = ABOUT_HALF[0] <= tr <= ABOUT_HALF[1]
         lines.append(f"claim 2 ({name} needs about half the tool calls): executed per trajectory in training {name} "
-                     f"{ta:.2f} vs GRPO {tg:.2f} ({tr:.2f}x; carried, branches' copies included, "
+                     f"{ta:.2f} vs {base} {tg:.2f} ({tr:.2f}x; carried, branches' copies included, "
                      f"{c['train'][2]:.2f}x); at evaluation, without branching, {ea:.2f} vs {eg:.2f} ({er:.2f}x) -> "
                      + ("about half in training" if half else f"not about half ({tr:.2f}x) in training"))
     for algo, s in summaries.items():
@@ -250,7 +255,7 @@ PANELS = (("reward/mean", "reward"), ("accuracy", "training accuracy (new prompt
                                                        "tool calls executed / trajectory"),
           ("rollout/branches_per_group", "branches / group"), ("reward/format_error_rate", "format error rate"),
           ("response/length", "response tokens"))
-COLORS = {"grpo": "tab:blue", "arpo": "tab:orange", "aepo": "tab:green"}
+COLORS = dict(zip(ALGOS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
 TITLES = {"arith": "3-digit products, one <python> call", "chain": "search, then python on its result (2 calls)"}
 
 
@@ -275,7 +280,8 @@ def plot(results: dict[str, dict[str, Any]], sft: dict[str, Any], png: Path, fam
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
     _accuracy_panel(axes.flat[7], by_algo, sft)
-    fig.suptitle(f"GRPO vs ARPO vs AEPO from one SFT policy (SmolLM2-135M; {family}: {TITLES.get(family, family)}; "
+    names = " vs ".join(a.upper() for a in by_algo)
+    fig.suptitle(f"{names} from one SFT policy (SmolLM2-135M; {family}: {TITLES.get(family, family)}; "
                  "band = seed range)")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -387,7 +393,7 @@ def timing_text(timing: dict[str, Any]) -> str:
 def _publish(family: str, rows: list[dict[str, str]], lines: list[str], png: Path | None) -> None:
     from tasks.artifacts import publish_image, publish_markdown, publish_table
 
-    publish_table(f"bench-learning-{family}", rows, f"{family}: GRPO vs ARPO vs AEPO from one SFT policy")
+    publish_table(f"bench-learning-{family}", rows, f"{family}: {' vs '.join(a.upper() for a in ALGOS)} from one SFT policy")
     publish_markdown(f"bench-learning-{family}-verdicts", "\n".join(f"- {line}" for line in lines))
     if png is not None:
         publish_image(f"bench-learning-{family}-curves", png, f"{family}: per-step curves and held-out accuracy")
