@@ -9,7 +9,8 @@ toy models of the profiles' architectures (stages/bootstrap/toy.py, random init,
 
 Before the fix (issue 37) the refresh sent `named_parameters()`, which names a tied head once, as the embedding:
 vLLM kept its old head, and this test, run on that code, measured the embedding group's tokens off by 1.03 nats on
-SmolLM2 and 0.51 on the tied Qwen2 toy (every other group, and every group of the untied models, within 2.3e-5). The last check replays that refresh and must be refused, naming the head.
+SmolLM2 and 0.51 on the tied Qwen2 toy (every other group, and every group of the untied models, within 2.3e-5).
+The last check replays that refresh and must be refused, naming the head.
 """
 
 from __future__ import annotations
