@@ -49,7 +49,11 @@ RUN = ["-p", "tiny-cpu", "--until", "merge", "--ephemeral",
        # entropy and log-softmax hold several copies (at 4 rows the kernel's OOM killer took the actor)
        "-o", "rl.trainer.micro_batch_size=1",
        # a small entropy bonus: the weights move even if every tree of both steps happens to score alike
-       "-o", "rl.loss.entropy_coef=0.001"]
+       "-o", "rl.loss.entropy_coef=0.001",
+       # a step large enough that step 1's update moves the log-probs far beyond the sampler-vs-trainer tolerance, so
+       # step 2 (a resumed attempt: verl's vLLM server gets the step-1 actor through verl's weight sync) shows whether
+       # the tied LM head followed
+       "-o", "rl.optim.lr=2e-5"]
 
 
 def arpo_run(outputs: Path, home: Path, log: Path, background: bool = False) -> subprocess.Popen:
@@ -229,3 +233,27 @@ def test_the_merge_stage_turned_verls_checkpoint_into_a_model_that_trained(smoke
         before |= load_file(shard)
     changed = [k for k in before if k in after and not torch.equal(before[k].float(), after[k].float())]
     assert after.keys() == before.keys() and len(changed) > len(before) // 2, (len(changed), len(before))
+
+
+def test_the_sampler_followed_a_real_update_of_the_tied_policy(smoke):
+    """The sampler is the policy on verl too (issue 37): SmolLM2 ties its LM head to the embedding. Step 2 samples
+    from the step-1 actor (verl's sync into its vLLM server, after the resume), and its tokens' log-probs agree with
+    the actor's old-log-prob pass, while training moved the policy's log-probs far more than that."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = read_jsonl(smoke["stage"] / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/logp_mismatch"] < 1e-3 and "alarm/sampler_drift" not in r for r in rows), rows
+    overrides = (smoke["stage"] / "verl_inputs" / "overrides.txt").read_text().splitlines()
+    start = dict(o.split("=", 1) for o in overrides)["actor_rollout_ref.model.path"].strip("'")  # SFT's model
+    merged = next(smoke["outputs"].glob("merge/*/_COMPLETE.json")).parent / "model"
+    tok = AutoTokenizer.from_pretrained(merged)
+    ids = torch.tensor([tok.encode(read_jsonl(smoke["stage"] / "rollouts" / "step_2.jsonl")[0]["response"])[:96]])
+    logps = []
+    for path in (start, merged):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert model.config.tie_word_embeddings
+        with torch.no_grad():
+            logps.append(torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]))
+    moved = float((logps[1] - logps[0]).abs().mean())
+    assert moved > 10 * 1e-3, f"training moved the log-probs by {moved:.3g} per token only"
