@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +186,22 @@ def test_stage_gain_rows_show_each_stage_change_from_the_one_before() -> None:
     text = "\n".join(render_gains(gains, 0.95))
     assert "What each stage bought" in text and "| rl " in text and "12.5" in text
     assert render_gains({}, 0.95) == []
+
+
+def test_failure_breakdown_names_the_first_cause_and_counts_cut_answers(tmp_path):
+    failures = _module("learning_failures")
+    assert failures.failure_cause("<python>x</python> <result>1</result> think", 256, 256) == "cut at cap"
+    assert failures.failure_cause("The answer is 3.", 40, 256) == "no <answer>"
+    assert failures.failure_cause("<answer> 3 </answer>", 40, 256) == "answer without boxed"
+    assert failures.failure_cause("<answer> \\boxed{3}", 40, 256) == "answer not closed"
+    predictions = tmp_path / "heldout" / "predictions.jsonl"
+    predictions.parent.mkdir()
+    predictions.write_text('{"responses": ["<answer> \\\\boxed{3} </answer>", "no tags at all", "cut"], '
+                           '"length": [20, 30, 160], "format_ok": [true, false, false], "tool_calls": [2, 0, 4]}\n')
+    result = tmp_path / "grpo-s0.json"
+    result.write_text(json.dumps({"config": {"rl": {"rollout": {"max_response_length": 160}}},
+                                  "heldout_path": str(predictions.with_name("summary.json"))}))
+    shares = failures.breakdown(result)
+    assert shares["answers"] == 3 and shares["format errors"] == pytest.approx(2 / 3)
+    assert shares["no <answer>"] == shares["cut at cap"] == shares["cut (any)"] == pytest.approx(1 / 3)
+    assert shares["0 calls"] == shares["2 calls"] == shares["3+ calls"] == pytest.approx(1 / 3)
