@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"not finished: {', '.join(missing)}; rerun the same command to continue them")
     elif root == Path(parse_args([]).root).resolve():  # the experiment, not a smoke run into another root
-        record(args, root, families, (time.time() - start) / 60)
+        record(args, root, families, (time.time() - start) / 60 if todo else None)
     return 1 if missing else 0
 
 
@@ -335,12 +335,19 @@ def read_attempts(root: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def record(args: argparse.Namespace, root: Path, families: list[str], minutes: float) -> None:
+def record(args: argparse.Namespace, root: Path, families: list[str], minutes: float | None) -> None:
     """Held-out accuracy per family and policy, the printed tables and every run's per-step metrics, as
-    bench/results/learning.json (learning-<tag>.json for a tag)."""
+    bench/results/learning.json (learning-<tag>.json for a tag). `minutes` None: this invocation ran nothing (a
+    report of finished runs), so the bench time of the invocation that ran them is kept."""
     from learning_report import step_table
 
-    figures: dict[str, float] = {"bench_min_this_invocation": round(minutes, 1)}
+    from bench.results import RESULTS_DIR
+
+    record_name = "learning" + (f"-{args.tag}" if args.tag else "")
+    earlier = RESULTS_DIR / f"{record_name}.json"
+    if minutes is None and earlier.is_file():
+        minutes = json.loads(earlier.read_text())["figures"].get("bench_min_this_invocation")
+    figures: dict[str, float] = {"bench_min_this_invocation": round(minutes or 0.0, 1)}
     tables, parts = {}, []
     for family in families:
         name = run_name(family, args.tag)
@@ -354,16 +361,15 @@ def record(args: argparse.Namespace, root: Path, families: list[str], minutes: f
             f"{algo.upper()} {{{family}_{algo}:.2f}}" for algo in summary["summaries"]))
         columns = list(summary["table"][0])
         tables[family] = {"columns": columns, "rows": [[row[c] for c in columns] for row in summary["table"]]}
-        for key in ("seed_gain", "steps_vs_sft"):
-            if summary.get(key):
+        for key in ("seed_gain", "steps_vs_sft", "claims"):
+            if summary.get(key) and summary[key].get("rows", True):
                 tables[f"{family}-{key.replace('_', '-')}"] = summary[key]
         runs = [json.loads(path.read_text()) for path in sorted(result_path(root, f"{family}/x:0", args.tag)
                                                                    .parent.glob("*-s*.json"))]
         tables[f"{family}-steps"] = step_table([r for r in runs if r.get("algorithm") in args.algos.split(",")])
     label = f" ({args.tag}: {' '.join(args.override)})" if args.tag else ""
-    name = "learning" + (f"-{args.tag}" if args.tag else "")
-    figures, tables, parts = keep_other_families(name, families, figures, tables, parts)
-    write_result(name, figures,
+    figures, tables, parts = keep_other_families(record_name, families, figures, tables, parts)
+    write_result(record_name, figures,
                  summary="held-out accuracy" + label + ", " + "; ".join(parts),
                  what="does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, held-out accuracy "
                       "with paired intervals" + (f"; variant {args.tag}" if args.tag else ""),

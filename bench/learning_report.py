@@ -167,6 +167,23 @@ def compare(by_algo: dict[str, list[dict[str, Any]]], algo: str, base: str = BAS
     return out
 
 
+def claims_table(by_algo: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The papers' two claims as a table: each algorithm minus the baseline in held-out accuracy (two-level
+    interval over questions and seeds), and its tool calls per trajectory relative to the baseline's."""
+    rows = []
+    for algo in (a for a in ALGOS if a != BASELINE):
+        c = compare(by_algo, algo)
+        if c is None:
+            continue
+        verdict = ("within noise" if c["low"] <= 0 <= c["high"]
+                   else f"{algo} higher" if c["diff"] > 0 else f"{BASELINE} higher")
+        (ta, tg, tr), (ea, eg, er) = c["train_exec"], c["eval"]
+        rows.append([f"{algo} - {BASELINE}", f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]", verdict,
+                     f"{ta:.2f} vs {tg:.2f} ({tr:.2f}x)", f"{ea:.2f} vs {eg:.2f} ({er:.2f}x)"])
+    return {"columns": ["comparison", "held-out acc difference [95%]", "verdict",
+                        "tool calls/traj executed in training", "tool calls/traj at evaluation"], "rows": rows}
+
+
 def verdicts(summaries: dict[str, dict[str, Any]], sft: dict[str, Any],
              by_algo: dict[str, list[dict[str, Any]]] | None = None) -> list[str]:
     """Plain sentences: RL vs SFT per algorithm; the papers' two claims (accuracy, tool calls); collapses."""
@@ -349,7 +366,8 @@ def report(results: dict[str, dict[str, Any]], timing: dict[str, Any], root: Pat
     print("\n" + timing_text(timing))
     png = plot(results, sft, root / f"learning-{name}.png", name) if by_algo else None
     write_json(root / f"summary-{name}.json", {"summaries": summaries, "verdicts": lines, "table": rows,
-                                               "steps_vs_sft": steps_vs_sft, "timing": timing, "missing": missing})
+                                               "steps_vs_sft": steps_vs_sft, "claims": claims_table(by_algo),
+                                               "timing": timing, "missing": missing})
     _publish(name, rows, lines, png)
     return png
 

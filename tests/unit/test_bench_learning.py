@@ -125,6 +125,10 @@ def test_verdicts_say_plainly_whether_rl_beats_sft_and_judge_both_claims() -> No
     assert table[1]["reward early -> late"] == "0.20 -> 0.50"          # steps 1-3 vs 4-6 of 0.1 * step
     assert table[2]["runs with alarms"] == "reward_at_floor 1/2"
     assert table[1]["mean gain [95%]"].startswith("+0.450 [")
+    claims = report.claims_table(runs)                                # the same two claims, as the record's table
+    assert [row[0] for row in claims["rows"]] == ["arpo - grpo"]
+    assert claims["rows"][0][1].startswith("-0.200 [") and claims["rows"][0][2] == "within noise"
+    assert claims["rows"][0][3:] == ["0.50 vs 1.00 (0.50x)", "0.50 vs 1.00 (0.50x)"]
 
 
 def test_step_tables_line_up_each_step_with_the_sft_policy_on_its_prompts() -> None:
