@@ -31,10 +31,10 @@ def failure_cause(response: str, length: int, cap: int) -> str:
     return "other"
 
 
-def breakdown(result_file: Path, sft_cap: int | None = None) -> dict[str, object]:
+def breakdown(result_file: Path) -> dict[str, object]:
     """One run's shares: format errors, each cause, answers cut at the cap, and answers by tool calls (0-3+)."""
     result = json.loads(result_file.read_text())
-    cap = sft_cap or result["config"]["rl"]["rollout"]["max_response_length"]
+    cap = result["config"]["rl"]["rollout"]["max_response_length"]  # the SFT result holds its family's too
     rows = [json.loads(line) for line in
             Path(result["heldout_path"]).with_name("predictions.jsonl").read_text().splitlines()]
     answers = [(resp, length, ok, calls) for row in rows for resp, length, ok, calls in
@@ -52,12 +52,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="results/<family>[@<tag>] of a learning-bench root")
     args = parser.parse_args()
-    runs = sorted(p for p in args.folder.glob("*-s*.json"))
+    runs = sorted(args.folder.glob("*-s*.json"))
     shared = args.folder.parent / args.folder.name.split("@")[0] / "sft.json"
     if not runs:
         raise SystemExit(f"no run results (<algo>-s<seed>.json) in {args.folder}")
-    cap = json.loads(runs[0].read_text())["config"]["rl"]["rollout"]["max_response_length"]
-    table = [("SFT", breakdown(shared, cap))] if shared.is_file() else []
+    table = [("SFT", breakdown(shared))] if shared.is_file() else []
     table += [(path.stem, breakdown(path)) for path in runs]
     columns = list(table[0][1])[1:]
     print("| policy | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
