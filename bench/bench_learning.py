@@ -1,27 +1,29 @@
-"""Does ARPO beat GRPO? GRPO vs ARPO vs AEPO from one shared SFT policy per task family, several seeds, held-out
-accuracy with paired bootstrap intervals, tool calls, branches, format errors and collapse alarms per run.
+"""Does RL learn, does ARPO beat GRPO? GRPO vs ARPO vs AEPO from one shared SFT policy per task family, under the
+protocol written before the confirmatory run (docs/benchmarks.md, "Learning bench protocol").
 
-    .venv/bin/python bench/bench_learning.py                       # the experiment (resumable: rerun to continue)
-    .venv/bin/python bench/bench_learning.py --families arith --seeds 0 --algos grpo,arpo --steps 2 \\
-        --questions 8 --root /tmp/x                                 # smoke
+    .venv/bin/python bench/bench_learning.py                       # the confirmatory run (resumable: rerun it)
+    .venv/bin/python bench/bench_learning.py --split rl_valid --families arith --algos grpo --seeds 0,1 \
+        --tag lr1e-5 -o rl.optim.lr=1e-5                           # one point of a setting's sweep: validation only
+    .venv/bin/python bench/bench_learning.py --families arith --seeds 0 --algos grpo --steps 1 \
+        --questions 8 --root /tmp/x --allow-dirty                   # smoke
 
 Task families (settings: bench/learning.yaml, then bench/learning-<family>.yaml, over the tiny-cpu profile;
 SmolLM2-135M-Instruct): `arith` (products of two 3-digit numbers, one <python> call) and `chain` (a search over
 the generated corpus, then python on the year it returned: two dependent calls). Per family the SFT policy is
-trained once (LLaMA-Factory, cached) and evaluated on the held-out test split; then every (algorithm, seed) pair
-trains from it with the same rollout budget (n trajectories per prompt, prompts per step, steps) and its final
-policy is evaluated on the same questions (stages.heldout). Each run is its own process (`--jobs` at a time, one
-torch thread each; under `--python`, vLLM's interpreter by default, with `--backend vllm` rollouts and held-out
-generation) under a wall-clock limit (`--run-timeout`); a run cut off there, or by a crash, continues from its last
-RL checkpoint the next time the bench runs, and a finished run's results file
-(`<root>/results/<family>/<algo>-s<seed>.json`) is reused.
+trained once (LLaMA-Factory, cached); every (algorithm, seed) run trains from it with the same rollout budget, and
+the lr = 0 control (GRPO at rl.optim.lr=0) goes through the same RL -> save -> reload -> evaluate path. Every
+policy is evaluated on one split (`--split`: the 400-question test split for the confirmatory run, the validation
+split for every choice of a setting) with its run's seed as the sampling seed; SFT once per seed, paired with the
+RL runs of that seed. Each run is its own process (`--jobs` at a time, one torch thread each; under `--python`,
+vLLM's interpreter by default, with `--backend vllm` rollouts and held-out generation) under a wall-clock limit
+(`--run-timeout`); a run cut off there, or by a crash, continues from its last RL checkpoint the next time the bench
+runs, and a finished run's results file (`<root>/results/<family>[-valid][@<tag>]/<run>-s<seed>.json`) is reused.
 
-Printed per family: a table (held-out accuracy with intervals, the gain over SFT with a paired bootstrap interval,
-reward and training accuracy early vs late, tool calls per trajectory in training and at evaluation, branches,
-format errors, alarms), the verdicts on the papers' two claims (ARPO vs GRPO and AEPO vs GRPO held-out accuracy
-with a two-level bootstrap over questions and seeds; ARPO's tool calls relative to GRPO's), every collapsed run with
-the alarm that caught it, and a plot (`<root>/learning-<family>.png`; `--png-dir` copies it). Inside a Prefect flow
-run the tables and plots are also published as artifacts (tasks.artifacts; no-ops otherwise).
+Printed per family: the descriptive table (accuracy, gains, reward and training accuracy early vs late, tool calls,
+branches, format errors, alarms), per-step metrics and a plot (`<root>/learning-<family>.png`). When every run is
+done the record is written (bench/learning_record.py): bench/results/learning[-valid][-<tag>].json with the
+protocol's endpoints (bench/learning_stats.py) and its per-question file (bench/results/per-question/), from the
+commit the invocation started on; a checkout with uncommitted changes is refused (run from a clean worktree).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.results import write_result
 from stages.core.algorithm_spec import SPECS as ALGORITHM_SPECS
 from stages.core.env import PROJECT_ROOT, configure_environment
 
@@ -50,6 +51,9 @@ FAMILIES = ("arith", "chain")
 ALGOS = tuple(spec.name for spec in ALGORITHM_SPECS)   # the algorithm table, in its order
 BASELINE = next(spec.name for spec in ALGORITHM_SPECS if not spec.branches)  # independent samples: GRPO
 VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
+SPLITS = ("eval_test", "rl_valid")
+CONTROL = "control"  # the lr = 0 control: the baseline algorithm with rl.optim.lr=0
+SHARED_RUNS = ("sft", "sftsteps")  # the same for every tag: data, SFT and its evaluations
 STEP_KEYS = ("step", "reward/mean", "accuracy", "entropy/mean", "tools/calls_per_traj",
              "rollout/tool_calls_executed_per_traj", "rollout/branches_per_group", "rollout/fresh_per_group",
              "reward/groups_without_signal", "reward/format_error_rate", "advantage/mean_abs", "clip_fraction",
@@ -64,11 +68,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--algos", default=",".join(ALGOS))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: learning.yaml)")
-    parser.add_argument("--questions", type=int, default=80, help="held-out questions (test split)")
-    parser.add_argument("--samples", type=int, default=1, help="held-out samples per question (RL policies)")
-    parser.add_argument("--sft-samples", type=int, default=4,
-                        help="held-out samples per question for the SFT policy: every run's gain is measured against "
-                             "it, so its sampling noise enters every gain alike")
+    parser.add_argument("--split", choices=SPLITS, default="eval_test",
+                        help="where the policies are evaluated: eval_test (the held-out test split: the protocol's "
+                             "confirmatory run) or rl_valid (the validation split: every choice of a setting)")
+    parser.add_argument("--questions", type=int, default=None, help="the first N questions of the split (all)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="samples per question, for every policy; SFT is evaluated once per seed, with that "
+                             "seed as its sampling seed, as each RL run is (docs/benchmarks.md, the protocol)")
+    parser.add_argument("--control-seeds", default="0",
+                        help="seeds of the lr = 0 control (GRPO with rl.optim.lr=0 through the same RL -> save -> "
+                             "reload -> evaluate path); empty: none")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="run on a checkout with uncommitted changes (its record then says so; the protocol's "
+                             "records are made from a clean checkout)")
     parser.add_argument("--tag", default="", help="a variant of the experiment (with its -o overrides): its runs and "
                         "report go to results/<family>@<tag>/, beside the untagged ones; data, SFT and the SFT "
                         "baselines are shared, so a tag may change RL settings only (rl.optim, rl.advantage, ...)")
@@ -104,6 +116,7 @@ def overlay(family: str) -> dict:
 
 
 def load(args: argparse.Namespace, family: str, algo: str = BASELINE):
+    """The family's config for one run; `algo` may be `control` (the baseline algorithm at lr 0) or `sft`."""
     import tempfile
 
     import yaml
@@ -115,20 +128,23 @@ def load(args: argparse.Namespace, family: str, algo: str = BASELINE):
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         yaml.safe_dump(overlay(family), handle)
     try:
-        return load_config("tiny-cpu", [*backend, *args.override, *steps, f"rl.algorithm={algo}"],
+        control = ["rl.optim.lr=0"] if algo == CONTROL else []
+        algorithm = BASELINE if algo in (CONTROL, *SHARED_RUNS) else algo
+        return load_config("tiny-cpu", [*backend, *args.override, *steps, *control, f"rl.algorithm={algorithm}"],
                            extra_file=handle.name)
     finally:
         os.unlink(handle.name)
 
 
-def heldout_spec(args: argparse.Namespace, cfg, samples: int):
+def heldout_spec(args: argparse.Namespace, cfg, seed: int):
+    """The evaluation of one run: its own seed is its sampling seed (runs share no evaluation noise)."""
     from stages.core.config.eval import HeldoutSection
 
     ro = cfg.rl.rollout
-    return HeldoutSection(max_questions=args.questions, samples=samples, temperature=args.temperature,
-                          max_response_length=ro.max_response_length, max_prompt_length=ro.max_prompt_length,
-                          call_limit=ro.call_limit, reward=cfg.rl.trainer.reward, questions_per_batch=40,
-                          backend=args.backend)
+    return HeldoutSection(split=args.split, max_questions=args.questions, samples=args.samples,
+                          temperature=args.temperature, max_response_length=ro.max_response_length,
+                          max_prompt_length=ro.max_prompt_length, call_limit=ro.call_limit,
+                          reward=cfg.rl.trainer.reward, questions_per_batch=40, backend=args.backend, seed=seed)
 
 
 def prepare(cfg, root: Path):
@@ -143,12 +159,18 @@ def prepare(cfg, root: Path):
     return model, data, run_sft(cfg.sft, cfg.agent, model, data, str(root), cache)
 
 
-def result_path(root: Path, job: str, tag: str = "") -> Path:
-    """results/<family>[@<tag>]/<run>.json; the SFT policy's files are shared by every tag."""
+def result_path(root: Path, job: str, tag: str = "", split: str = "eval_test") -> Path:
+    """results/<family>[-valid][@<tag>]/<run>-s<seed>.json: SFT's files are shared by every tag, the SFT policy's
+    per-step rewards (sftsteps, on training prompts) by both splits too."""
     family, _, run = job.partition("/")
-    shared = run == "sft" or run.startswith("sftsteps:")
-    folder = family if shared or not tag else f"{family}@{tag}"
+    kind = run.partition(":")[0]
+    folder = family + ("-valid" if split == "rl_valid" and kind != "sftsteps" else "")
+    folder += f"@{tag}" if tag and kind not in SHARED_RUNS else ""
     return root / "results" / folder / f"{run.replace(':', '-s')}.json"
+
+
+def out_path(args: argparse.Namespace, job: str) -> Path:
+    return result_path(Path(args.root), job, args.tag, args.split)
 
 
 # ---- one run (a worker process) ------------------------------------------------------------------------------
@@ -164,18 +186,18 @@ def worker(args: argparse.Namespace, job: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the time limit: unwind so tools and caches close
     family, _, run = job.partition("/")
     algo, _, seed = run.partition(":")
-    cfg = load(args, family, BASELINE if run == "sft" or algo == "sftsteps" else algo)
+    cfg = load(args, family, algo)
     _, data, sft = prepare(cfg, Path(args.root))
     if algo == "sftsteps":
         from bench.learning_baseline import sft_step_rewards
 
-        sft_step_rewards(cfg, sft, data, int(seed), result_path(Path(args.root), job))
+        sft_step_rewards(cfg, sft, data, int(seed), out_path(args, job))
         return
-    if run != "sft" and not args.eval_only:
+    if algo != "sft" and not args.eval_only:
         start = time.perf_counter()
         run_rl(cfg.rl, cfg.agent, sft, data, args.root, str(PROJECT_ROOT / ".cache"), seed=int(seed))
-        result_path(Path(args.root), job, args.tag).parent.mkdir(parents=True, exist_ok=True)
-        result_path(Path(args.root), job, args.tag).with_suffix(".rl_s").write_text(str(time.perf_counter() - start))
+        out_path(args, job).parent.mkdir(parents=True, exist_ok=True)
+        out_path(args, job).with_suffix(".rl_s").write_text(str(time.perf_counter() - start))
     if args.backend == "vllm" and not args.eval_only:
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--eval-only"], check=True)
         return
@@ -183,8 +205,11 @@ def worker(args: argparse.Namespace, job: str) -> None:
 
 
 def evaluate(args: argparse.Namespace, job: str, cfg, data, sft) -> None:
+    """Evaluate one run's policy (SFT's for `sft:<seed>`) with its seed as the sampling seed; write its results file:
+    per question the correct and well-formed sample counts and the tool calls (the protocol's endpoints)."""
     from learning_report import advantage_sign_agreement
 
+    from bench.results import commit_state
     from stages.core.atomic import read_jsonl, write_json
     from stages.heldout import evaluate_heldout
     from stages.rl.stage import run_rl
@@ -193,27 +218,29 @@ def evaluate(args: argparse.Namespace, job: str, cfg, data, sft) -> None:
     family, _, run = job.partition("/")
     algo, _, seed = run.partition(":")
     policy, rows, signs, alarms = sft, [], {}, []
-    if run != "sft":
+    if algo != "sft":
         policy = run_rl(cfg.rl, cfg.agent, sft, data, root, cache, seed=int(seed))  # done: the stage's marker
         stage = Path(policy.path).parents[1]
         rows = [{k: r.get(k) for k in STEP_KEYS} for r in read_jsonl(stage / "metrics.jsonl")]
         dumps = [row for path in sorted((stage / "rollouts").glob("step_*.jsonl")) for row in read_jsonl(path)]
         signs = advantage_sign_agreement(dumps)
         alarms = read_jsonl(stage / "alarms.jsonl") if (stage / "alarms.jsonl").is_file() else []
-    samples = args.sft_samples if run == "sft" else args.samples
-    scores = evaluate_heldout(heldout_spec(args, cfg, samples), cfg.agent, policy, data, root, cache)
+    scores = evaluate_heldout(heldout_spec(args, cfg, int(seed)), cfg.agent, policy, data, root, cache)
     predictions = read_jsonl(Path(scores.path).with_name("predictions.jsonl"))
-    rl_s = result_path(root, job, args.tag).with_suffix(".rl_s")
-    write_json(result_path(root, job, args.tag), {
-        "job": job, "tag": args.tag, "family": family, "algorithm": algo if run != "sft" else "sft",
-        "seed": int(seed) if seed else None,
+    rl_s = out_path(args, job).with_suffix(".rl_s")
+    write_json(out_path(args, job), {
+        "job": job, "tag": args.tag, "family": family, "algorithm": algo, "seed": int(seed), "eval_seed": int(seed),
+        "split": args.split, "samples": args.samples, "commit": commit_state()[0],
         "config": {"rl": cfg.rl.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json")},
         "steps": rows, "alarms": alarms, "heldout": scores.meta, "heldout_path": scores.path,
         "correct_Q": [sum(p["correct"]) / len(p["correct"]) for p in predictions],
+        "correct_count_Q": [sum(p["correct"]) for p in predictions],
+        "formed_count_Q": [sum(p["format_ok"]) for p in predictions],
+        "calls_Q": [sum(p["tool_calls"]) for p in predictions],
         "questions": [p["question"] for p in predictions],
         "rl_seconds_last_attempt": float(rl_s.read_text()) if rl_s.is_file() else None,
         "advantage_signs": signs, "policy": policy.path})
-    if run != "sft" and not args.keep_optimizer:  # 1 GB per finished run; nothing resumes a finished run
+    if algo != "sft" and not args.keep_optimizer:  # 1 GB per finished run; nothing resumes a finished run
         (Path(policy.path) / "optimizer.pt").unlink(missing_ok=True)
 
 
@@ -247,7 +274,7 @@ def run_pool(args: argparse.Namespace, jobs: list[str], root: Path) -> dict:
                 continue
             log.close()
             del running[job]
-            record = {"job": job, "tag": args.tag, "wall_s": time.time() - started,
+            record = {"job": job, "tag": args.tag, "split": args.split, "wall_s": time.time() - started,
                       "cpu_s": usage.ru_utime + usage.ru_stime,
                       "exit": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
                       "load_start": load0, "load_end": os.getloadavg()[0]}
@@ -287,117 +314,86 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args, args.worker)
         return 0
-    from learning_report import report
+    from learning_record import record_invocation, write_record
+
+    from bench.results import commit_state
 
     root = Path(args.root).resolve()
     args.root = str(root)
+    official = root == Path(parse_args([]).root).resolve()  # the experiment, not a smoke run into another root
+    provenance = commit_state()
+    if official and provenance[1] and not args.allow_dirty:
+        raise SystemExit("error: the checkout has uncommitted changes, and a learning record must name the code it ran "
+                         "(docs/benchmarks.md, the protocol). Commit them, or run from a clean worktree "
+                         "(git worktree add ../bench-wt HEAD), or pass --allow-dirty for a trial whose record says so.")
     root.mkdir(parents=True, exist_ok=True)
-    families, seeds = args.families.split(","), args.seeds.split(",")
+    families = args.families.split(",")
     start = time.time()
     sft_times = prepare_families(args, root, families)
-    # seed-major: a bench cut short still has whole seeds of every family and algorithm
-    jobs = [f"{f}/sft" for f in families] + [f"{f}/{a}:{s}" for s in seeds for f in families
-                                             for a in args.algos.split(",")]
-    baselines = [] if args.no_sft_steps else [f"{f}/sftsteps:{s}" for s in seeds for f in families]
-    done = [job for job in jobs + baselines if result_path(root, job, args.tag).is_file()]
-    todo = [job for job in jobs + baselines if job not in done]
+    jobs, baselines = job_lists(args, families)
+    todo = [job for job in jobs + baselines if not out_path(args, job).is_file()]
     pool = run_pool(args, todo, root) if todo else {"attempts": {}, "mean_load": os.getloadavg()[0]}
-    missing = [job for job in jobs + baselines if not result_path(root, job, args.tag).is_file()]
-    attempts = [a for a in read_attempts(root) if a.get("tag", "") == args.tag]
+    missing = [job for job in jobs + baselines if not out_path(args, job).is_file()]
+    record_invocation(root, args, time.time() - start, ran=bool(todo))
     for family in families:
-        ours = [job for job in jobs if job.startswith(f"{family}/") and job not in missing]
-        results = {job.partition("/")[2]: json.loads(result_path(root, job, args.tag).read_text()) for job in ours}
-        steps = [json.loads(result_path(root, job, args.tag).read_text()) for job in baselines
-                 if job.startswith(f"{family}/") and job not in missing]
-        timing = {"sft": sft_times[family], "bench_wall_s": time.time() - start, "mean_load": pool["mean_load"],
-                  "attempts": [{**a, "job": a["job"].partition("/")[2]} for a in attempts
-                               if a["job"].startswith(f"{family}/")]}
-        png = report(results, timing, root, [m for m in missing if m.startswith(f"{family}/")], family,
-                     name=run_name(family, args.tag), baselines=steps)
-        if args.png_dir and png:
-            Path(args.png_dir).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(png, Path(args.png_dir) / png.name)
+        report_family(args, root, family, jobs, baselines, missing, sft_times[family], pool, time.time() - start)
     print(f"\nbench: {(time.time() - start) / 60:.1f} min wall this invocation, mean load average "
           f"{pool['mean_load']:.1f} on {os.cpu_count()} cores")
     if missing:
         print(f"not finished: {', '.join(missing)}; rerun the same command to continue them")
-    elif root == Path(parse_args([]).root).resolve():  # the experiment, not a smoke run into another root
-        record(args, root, families, (time.time() - start) / 60 if todo else None)
+    elif official:
+        results = {f: {job.partition("/")[2]: json.loads(out_path(args, job).read_text())
+                       for job in jobs if job.startswith(f"{f}/")} for f in families}
+        summaries = {f: json.loads((root / f"summary-{run_name(f, args.tag, args.split)}.json").read_text())
+                     for f in families}
+        write_record(args, root, results, summaries, provenance)
     return 1 if missing else 0
 
 
-def run_name(family: str, tag: str) -> str:
-    return f"{family}@{tag}" if tag else family
+def job_lists(args: argparse.Namespace, families: list[str]) -> tuple[list[str], list[str]]:
+    """Every run of the design: SFT evaluated once per seed (cheap, first), then seed-major RL runs (a bench cut
+    short still has whole seeds of every family and algorithm), the lr = 0 controls; and SFT's per-step rewards."""
+    seeds = args.seeds.split(",")
+    controls = [s for s in args.control_seeds.split(",") if s]
+    jobs = [f"{f}/sft:{s}" for s in seeds for f in families]
+    jobs += [f"{f}/{a}:{s}" for s in seeds for f in families for a in args.algos.split(",")]
+    jobs += [f"{f}/{CONTROL}:{s}" for s in controls for f in families]
+    baselines = [] if args.no_sft_steps else [f"{f}/sftsteps:{s}" for s in seeds for f in families]
+    return jobs, baselines
+
+
+def report_family(args: argparse.Namespace, root: Path, family: str, jobs: list[str], baselines: list[str],
+                  missing: list[str], sft_time: dict, pool: dict, wall_s: float) -> None:
+    """The descriptive report of one family (learning_report: tables, plot, step table), SFT's seeds pooled."""
+    from learning_record import pooled_sft
+    from learning_report import report
+
+    ours = [job for job in jobs if job.startswith(f"{family}/") and job not in missing]
+    results = {job.partition("/")[2]: json.loads(out_path(args, job).read_text()) for job in ours}
+    sft_runs = [results.pop(run) for run in [r for r in results if r.startswith("sft:")]]
+    if sft_runs:
+        results["sft"] = pooled_sft(sft_runs)
+    steps = [json.loads(out_path(args, job).read_text()) for job in baselines
+             if job.startswith(f"{family}/") and job not in missing]
+    attempts = [a for a in read_attempts(root)
+                if a.get("tag", "") == args.tag and a.get("split", "eval_test") == args.split]
+    timing = {"sft": sft_time, "bench_wall_s": wall_s, "mean_load": pool["mean_load"],
+              "attempts": [{**a, "job": a["job"].partition("/")[2]} for a in attempts
+                           if a["job"].startswith(f"{family}/")]}
+    png = report(results, timing, root, [m for m in missing if m.startswith(f"{family}/")], family,
+                 name=run_name(family, args.tag, args.split), baselines=steps)
+    if args.png_dir and png:
+        Path(args.png_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(png, Path(args.png_dir) / png.name)
+
+
+def run_name(family: str, tag: str, split: str = "eval_test") -> str:
+    return family + ("-valid" if split == "rl_valid" else "") + (f"@{tag}" if tag else "")
 
 
 def read_attempts(root: Path) -> list[dict]:
     path = root / "attempts.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def record(args: argparse.Namespace, root: Path, families: list[str], minutes: float | None) -> None:
-    """Held-out accuracy per family and policy, the printed tables and every run's per-step metrics, as
-    bench/results/learning.json (learning-<tag>.json for a tag). `minutes` None: this invocation ran nothing (a
-    report of finished runs), so the bench time of the invocation that ran them is kept."""
-    from learning_report import step_table
-
-    from bench.results import RESULTS_DIR
-
-    record_name = "learning" + (f"-{args.tag}" if args.tag else "")
-    earlier = RESULTS_DIR / f"{record_name}.json"
-    if minutes is None and earlier.is_file():
-        minutes = json.loads(earlier.read_text())["figures"].get("bench_min_this_invocation")
-    figures: dict[str, float] = {"bench_min_this_invocation": round(minutes or 0.0, 1)}
-    tables, parts = {}, []
-    for family in families:
-        name = run_name(family, args.tag)
-        summary = json.loads((root / f"summary-{name}.json").read_text())
-        sft = json.loads(result_path(root, f"{family}/sft").read_text())
-        figures[f"{family}_sft"] = sft["heldout"]["accuracy"]
-        for algo, s in summary["summaries"].items():
-            figures[f"{family}_{algo}"] = round(s["accuracy"]["mean"], 4)
-            figures[f"{family}_{algo}_gain"] = round(s["gain"]["mean"], 4)
-        parts.append(f"`{family}`: SFT {{{family}_sft:.2f}} -> " + ", ".join(
-            f"{algo.upper()} {{{family}_{algo}:.2f}}" for algo in summary["summaries"]))
-        columns = list(summary["table"][0])
-        tables[family] = {"columns": columns, "rows": [[row[c] for c in columns] for row in summary["table"]]}
-        for key in ("seed_gain", "steps_vs_sft", "claims"):
-            if summary.get(key) and summary[key].get("rows", True):
-                tables[f"{family}-{key.replace('_', '-')}"] = summary[key]
-        runs = [json.loads(path.read_text()) for path in sorted(result_path(root, f"{family}/x:0", args.tag)
-                                                                   .parent.glob("*-s*.json"))]
-        tables[f"{family}-steps"] = step_table([r for r in runs if r.get("algorithm") in args.algos.split(",")])
-    label = f" ({args.tag}: {' '.join(args.override)})" if args.tag else ""
-    figures, tables, parts = keep_other_families(record_name, families, figures, tables, parts)
-    write_result(record_name, figures,
-                 summary="held-out accuracy" + label + ", " + "; ".join(parts),
-                 what="does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, held-out accuracy "
-                      "with paired intervals" + (f"; variant {args.tag}" if args.tag else ""),
-                 command="bench/bench_learning.py",  # a variant's --tag and -o overrides: conditions
-                 details="#does-rl-learn-grpo-arpo-and-aepo-measured-benchbench_learningpy",
-                 conditions={"families": sorted({t.split("-")[0] for t in tables}), "algorithms": args.algos.split(","),
-                             "seeds": args.seeds.split(","),
-                             "steps": args.steps, "questions": args.questions, "samples": args.samples,
-                             "sft_samples": args.sft_samples, "temperature": args.temperature,
-                             "backend": args.backend, "jobs": args.jobs, "tag": args.tag,
-                             "overrides": args.override},
-                 tables=tables)
-
-
-def keep_other_families(name: str, families: list[str], figures: dict, tables: dict,
-                        parts: list[str]) -> tuple[dict, dict, list[str]]:
-    """A bench run over some families keeps what an earlier run recorded for the others in the same result file."""
-    from bench.results import RESULTS_DIR
-
-    path = RESULTS_DIR / f"{name}.json"
-    if not path.is_file():
-        return figures, tables, parts
-    old = json.loads(path.read_text())
-    others = [f for f in FAMILIES if f not in families and f"{f}_sft" in old["figures"]]
-    kept_figures = {k: v for k, v in old["figures"].items() if k.split("_")[0] in others}
-    kept_tables = {k: v for k, v in old.get("tables", {}).items() if k.split("-")[0] in others}
-    kept_parts = [p for p in old["summary"].partition(", ")[2].split("; ") if p.strip("`").split("`")[0] in others]
-    return {**kept_figures, **figures}, {**kept_tables, **tables}, kept_parts + parts
 
 
 if __name__ == "__main__":

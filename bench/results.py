@@ -42,14 +42,15 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def _commit() -> tuple[str | None, bool]:
+def commit_state() -> tuple[str | None, bool]:
     """The checkout's short commit, and whether tracked files differ from it."""
     return _git("rev-parse", "--short", "HEAD"), bool(_git("status", "--porcelain", "--untracked-files=no"))
 
 
 def write_result(name: str, figures: dict[str, Any], *, summary: str, what: str, command: str,
                  details: str | None = None, conditions: dict[str, Any] | None = None,
-                 tables: dict[str, dict[str, Any]] | None = None, root: Path = RESULTS_DIR) -> Path:
+                 tables: dict[str, dict[str, Any]] | None = None, root: Path = RESULTS_DIR,
+                 provenance: tuple[str | None, bool] | None = None) -> Path:
     """Write `<root>/<name>.json` atomically and return its path.
 
     figures: the measured numbers (JSON values), named with their unit (`cold_s`, `quick_ms`, `ratio`).
@@ -57,9 +58,11 @@ def write_result(name: str, figures: dict[str, Any], *, summary: str, what: str,
     what: what the bench measures, in a few words. command: how to run it again. details: the docs page (relative
     to docs/) with the full tables, e.g. `"agent.md#benchmarks"`. conditions: settings that shape the figures
     (profile, overrides, sizes). tables: `{"<table>": {"columns": [...], "rows": [[...], ...]}}` for the page.
+    provenance: (commit, uncommitted changes) taken when the bench started, for a bench whose own outputs change the
+    checkout before the record is written (default: the checkout now).
     """
     summary.format(**figures)  # a summary that names a missing figure fails here, not when the docs are written
-    commit, dirty = _commit()
+    commit, dirty = provenance or commit_state()
     record = {"name": name, "what": what, "command": command, "summary": summary, "figures": figures,
               "conditions": conditions or {}, "details": details,
               "date": datetime.datetime.now(datetime.UTC).date().isoformat(),

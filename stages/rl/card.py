@@ -277,6 +277,8 @@ def card_notes(rl: RLSection) -> list[str]:
                      "GRPO plus fresh roots)")
     if spec.branches and ro.initial_rollouts >= ro.n and not ro.dynamic_rollouts:
         notes.append(f"rl.rollout.initial_rollouts = n = {ro.n}: no budget is left for copies")
+    if rl.optim.lr == 0:
+        notes.append("rl.optim.lr=0: the weights never change (a control run: the SFT policy through RL's path)")
     if spec.governs("rollout.branch_penalty") and ro.branch_penalty * 1 >= 1:
         notes.append(f"rl.rollout.branch_penalty={ro.branch_penalty}: the factor is 0 from c = 1 on")
     return notes

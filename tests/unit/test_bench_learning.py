@@ -36,15 +36,37 @@ def test_learning_config_validates_for_every_family_and_algorithm(family: str, a
     cfg = bench.load(args, family, algo)
     assert cfg.rl.algorithm == algo and cfg.rl.rollout.n == 8 and cfg.rl.rollout.backend == "transformers"
     syn = cfg.data.synthetic
-    assert syn.n_math == syn.n_qa == 0 and (syn.n_arith, syn.n_chain) == ((400, 0) if family == "arith" else (0, 400))
+    assert syn.n_math == syn.n_qa == 0 and (syn.n_arith, syn.n_chain) == ((800, 0) if family == "arith" else (0, 800))
+    # 400 test questions (the confirmatory run), 80 validation questions (every choice of a setting)
+    assert (round(800 * syn.test_fraction), round(800 * syn.valid_fraction)) == (400, 80)
     prompt = "tir_python_short" if family == "arith" else "tir_search_python_short"
     assert cfg.agent.prompt_template == cfg.data.system_prompt == prompt
     # the same rollout budget whatever the algorithm; the response budget is the family's
     assert (cfg.rl.trainer.train_batch_size, cfg.rl.trainer.total_steps) == (2, 6 if family == "arith" else 3)
     assert cfg.rl.rollout.max_response_length == (160 if family == "arith" else 256)
-    assert bench.heldout_spec(args, cfg, args.samples).call_limit == cfg.rl.rollout.call_limit
-    # the SFT baseline is sampled 4 times per question by default, each RL policy once
-    assert (args.sft_samples, args.samples) == (4, 1)
+    spec = bench.heldout_spec(args, cfg, 3)
+    assert spec.call_limit == cfg.rl.rollout.call_limit and spec.split == "eval_test"
+    # a run's own seed is its evaluation's sampling seed: no two runs share their evaluation noise
+    assert spec.seed == 3 and spec.samples == args.samples == 1
+
+
+def test_the_design_pairs_sft_seeds_with_runs_and_adds_the_lr_zero_control() -> None:
+    args = bench.parse_args(["--backend", "transformers", "--families", "arith", "--seeds", "0,1",
+                             "--algos", "grpo,arpo", "--no-sft-steps"])
+    jobs, baselines = bench.job_lists(args, ["arith"])
+    assert jobs == ["arith/sft:0", "arith/sft:1", "arith/grpo:0", "arith/arpo:0", "arith/grpo:1", "arith/arpo:1",
+                    "arith/control:0"] and baselines == []
+    control = bench.load(args, "arith", "control")
+    assert control.rl.algorithm == "grpo" and control.rl.optim.lr == 0
+    assert bench.load(args, "arith", "arpo").rl.optim.lr > 0
+
+
+def test_results_live_apart_per_split_and_tag_with_sft_shared_by_tags(tmp_path: Path) -> None:
+    path = bench.result_path
+    assert path(tmp_path, "arith/grpo:1") == tmp_path / "results" / "arith" / "grpo-s1.json"
+    assert path(tmp_path, "arith/grpo:1", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid@lr1e-5/grpo-s1.json"
+    assert path(tmp_path, "arith/sft:0", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid/sft-s0.json"
+    assert path(tmp_path, "arith/sftsteps:0", "x", "rl_valid") == tmp_path / "results/arith/sftsteps-s0.json"
 
 
 def test_two_level_interval_holds_the_seed_spread() -> None:

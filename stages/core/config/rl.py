@@ -113,7 +113,8 @@ class LossSection(Section):
 
 
 class OptimSection(Section):
-    lr: float = Field(1e-6, gt=0)
+    lr: float = Field(1e-6, ge=0, description="AdamW learning rate; 0 makes a control run: every step, save and "
+                      "reload as usual, the weights unchanged (the learning bench's lr = 0 control)")
     weight_decay: float = Field(0.01, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -1,0 +1,114 @@
+"""The learning bench's record (bench/bench_learning.py): headline figures, the descriptive and the protocol's tables,
+the bench's wall time over every invocation that ran its runs, and the per-question file beside it
+(bench/results/per-question/<record>.json) from which every figure and interval is recomputed.
+
+A record is written only when every run of the design has its results, with the commit the invocation started on
+(`provenance`: the bench's own outputs change the checkout before the record is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.results import RESULTS_DIR, write_result
+
+
+def record_name(args: argparse.Namespace) -> str:
+    """learning[-valid][-<tag>]: the confirmatory record is `learning`; a choice of setting is a `learning-valid-*`."""
+    return "learning" + ("-valid" if args.split == "rl_valid" else "") + (f"-{args.tag}" if args.tag else "")
+
+
+def pooled_sft(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """SFT's per-seed evaluations as one policy for the descriptive tables: per question the mean over seeds."""
+    from stages.core.passk import bootstrap_ci
+
+    runs = sorted(runs, key=lambda r: r["seed"])
+    questions = runs[0]["questions"]
+    if any(r["questions"] != questions for r in runs):
+        raise ValueError("SFT's seeds were evaluated on different questions; rerun them with the same --questions")
+    correct_Q = np.mean([r["correct_Q"] for r in runs], axis=0)
+    low, high = bootstrap_ci(correct_Q, samples=2000, confidence=0.95, seed=0)
+    heldout = {key: float(np.mean([r["heldout"][key] for r in runs]))
+               for key in ("accuracy", "format_valid", "tool_calls_per_traj", "mean_reward", "response_length")}
+    return {**runs[0], "algorithm": "sft", "seed": None, "seeds": [r["seed"] for r in runs],
+            "correct_Q": correct_Q.tolist(), "heldout": {**runs[0]["heldout"], **heldout, "ci_low": low,
+                                                         "ci_high": high}}
+
+
+def record_invocation(root: Path, args: argparse.Namespace, wall_s: float, ran: bool) -> None:
+    """One line per invocation in <root>/invocations.jsonl: the bench's wall time adds up over resumed sessions."""
+    with open(root / "invocations.jsonl", "a") as handle:
+        handle.write(json.dumps({"record": record_name(args), "families": args.families, "wall_s": round(wall_s, 1),
+                                 "ran_runs": ran, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+
+
+def bench_wall_min(root: Path, name: str) -> float:
+    """Minutes of wall time of every invocation that ran runs of record `name` (reports alone add nothing)."""
+    path = root / "invocations.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return round(sum(line["wall_s"] for line in lines if line["record"] == name and line["ran_runs"]) / 60, 1)
+
+
+def headline_figures(family: str, runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per policy the mean over its seeds of held-out accuracy, and each RL policy's gain over SFT (the provenance
+    test recomputes exactly these from the per-question file)."""
+    by_policy: dict[str, list[float]] = {}
+    for run in runs.values():
+        by_policy.setdefault(run["algorithm"], []).append(float(np.mean(run["correct_Q"])))
+    figures = {f"{family}_{policy}": round(float(np.mean(accs)), 4) for policy, accs in by_policy.items()}
+    for policy in by_policy:
+        if policy != "sft" and f"{family}_sft" in figures:
+            figures[f"{family}_{policy}_gain"] = round(figures[f"{family}_{policy}"] - figures[f"{family}_sft"], 4)
+    return figures
+
+
+def write_record(args: argparse.Namespace, root: Path, results: dict[str, dict[str, dict[str, Any]]],
+                 summaries: dict[str, dict[str, Any]], provenance: tuple[str | None, bool]) -> None:
+    """bench/results/<record>.json and its per-question file; families run earlier into the same record are kept.
+    results: per family, every run's results file by run id (`grpo:0`); summaries: per family, learning_report's."""
+    from learning_report import step_table
+    from learning_stats import compact_run, protocol_tables, write_per_question
+
+    families = list(results)
+    name = record_name(args)
+    old = json.loads((RESULTS_DIR / f"{name}.json").read_text()) if (RESULTS_DIR / f"{name}.json").is_file() else {}
+    figures = {k: v for k, v in old.get("figures", {}).items() if k.split("_")[0] not in families}
+    tables = {k: v for k, v in old.get("tables", {}).items() if k.split("-")[0] not in families}
+    payloads = {}
+    for family, runs in results.items():
+        figures.update(headline_figures(family, runs))
+        payloads[family] = {run_id.replace(":", "-s"): compact_run(run) for run_id, run in runs.items()}
+        summary = summaries[family]
+        columns = list(summary["table"][0])
+        tables[family] = {"columns": columns, "rows": [[row[c] for c in columns] for row in summary["table"]]}
+        if summary.get("steps_vs_sft", {}).get("rows"):
+            tables[f"{family}-steps-vs-sft"] = summary["steps_vs_sft"]
+        tables[f"{family}-steps"] = step_table([r for r in runs.values() if r["algorithm"] != "sft"])
+    per_question = write_per_question(name, payloads, split=args.split)
+    tables.update(protocol_tables(per_question))
+    figures["bench_wall_min"] = bench_wall_min(root, name)
+    policies = ", ".join(f"`{f}`: SFT {{{f}_sft:.3f}} -> " + ", ".join(
+        f"{a.upper()} {{{f}_{a}:.3f}}" for a in args.algos.split(",") if f"{f}_{a}" in figures)
+        for f in sorted({k.split("_")[0] for k in figures if k.endswith("_sft")}))
+    split = "validation split (rl_valid)" if args.split == "rl_valid" else "held-out test split"
+    write_result(name, figures, provenance=provenance,
+                 summary=f"accuracy on the {split}" + (f" ({args.tag}: {' '.join(args.override)})" if args.tag
+                                                       else "") + ", " + policies + "; {bench_wall_min:.0f} min wall",
+                 what="does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, the protocol's "
+                      "endpoints" + (f"; variant {args.tag}" if args.tag else ""),
+                 command="bench/bench_learning.py",  # a variant's --split, --tag and -o overrides: conditions
+                 details="#learning-bench-protocol",
+                 conditions={"families": sorted({k.split("_")[0] for k in figures if k.endswith("_sft")}),
+                             "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
+                             "control_seeds": [s for s in args.control_seeds.split(",") if s],
+                             "split": args.split, "steps": args.steps, "questions": args.questions,
+                             "samples": args.samples, "temperature": args.temperature, "backend": args.backend,
+                             "jobs": args.jobs, "tag": args.tag, "overrides": args.override,
+                             "per_question": f"bench/results/per-question/{name}.json"},
+                 tables=tables)
