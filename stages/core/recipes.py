@@ -211,8 +211,9 @@ TOOLSTAR_ITEMS: tuple[Item, ...] = (
     Item("eval", "inference-time tools", "code debugger on; rollback and refiner off", "README (--use_debug)",
          lambda c: ("code debugger " + ("on" if c.agent.inference.debugger else "off") + "; rollback and refiner "
                     + ("on" if c.agent.inference.rollback or c.agent.inference.refiner else "off"))),
-    Item("eval", "debugger's helper LLM", "Qwen2.5-3B-Instruct (README; debug_code.py names Qwen2.5-7B-Instruct)",
-         "README \"LLM Service Deployment\"; tools/debug_code.py", _helper,
+    Item("eval", "debugger's helper LLM", "Qwen2.5-3B-Instruct (README); debug_code.py names Qwen2.5-72B-Instruct "
+         "(the README's copy of it: Qwen2.5-7B-Instruct)",
+         "README 310 (\"LLM Service Deployment\"), 394 (its copy of debug_code.py); tools/debug_code.py 14", _helper,
          why="no second server by default: -o agent.inference.llm_url=http://<host>:<port>/v1 "
              "-o agent.inference.llm_model=Qwen2.5-3B-Instruct names one",
          same=lambda c: (c.agent.inference.llm_model or "") in RELEASED_SIZES),
