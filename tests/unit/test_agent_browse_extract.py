@@ -1,6 +1,7 @@
-"""Page extraction against hostile pages (issue 38, classes 4 and 5): super-linear and nested HTML, HTML that needs
-more memory than a worker may take, PDFs whose pages share one costly content stream, a worker stuck in C code,
-and a PDF whose text holds a lone surrogate, which must never reach a model request. Each test asserts the
+"""Page extraction against hostile pages (issue 38, classes 4 and 5; issue 47): super-linear and nested HTML, an
+article nested past the parser's depth limit, a charset declared wrongly, HTML that needs more memory than a
+worker may take, PDFs whose pages share one costly content stream, a worker stuck in C code, and a PDF whose text
+holds a lone surrogate, which must never reach a model request. Each test asserts the
 failure kind, the time (the limit plus `SLACK_S`) and the memory (the worker's peak resident memory read from
 /proc, or this process's tracemalloc peak). Served by tests/unit/test_agent_browse_hostile.py's `HostileSite`."""
 
@@ -27,6 +28,23 @@ from tests.unit.test_agent_browse_hostile import SLACK_S, HostileSite, measured
 from tests.unit.test_agent_browse_tool import StubSearch, agent_cfg
 
 HEAVY_OPS = 100_000  # "(x) Tj" operators in the shared content stream: about 1.5 s of pypdf per page here
+DEPTH = 100_000  # nested <div>s around an article: far past libxml2's limit of 256 (and 2048 with huge_tree)
+ARTICLE_TEXT = "The lighthouse keeper logged 4,102 ships in 1911. Fog & rain held most of them offshore."
+FRENCH = "Le caf\u00e9 de Flore sert une Cr\u00e8me br\u00fbl\u00e9e \u00e0 l\u2019ancienne."  # \u2019: cp1252 0x92
+
+
+def nested_page(text: str, depth: int = DEPTH) -> bytes:
+    """A titled page whose article (`text`, with `&amp;` for &) sits inside `depth` nested <div>s, a script and a
+    comment beside it, and a footer after the nesting closes."""
+    body = text.replace("&", "&amp;").encode()
+    return (b"<html><head><title>A page</title></head><body>" + b"<div>" * depth
+            + b"<script>var hidden = '<p>SCRIPT-TEXT</p>';</script><!-- COMMENT-TEXT --><p>" + body + b"</p>"
+            + b"</div>" * depth + b"<footer>Footer line.</footer></body></html>")
+
+
+def french_page(meta: bytes) -> bytes:
+    """FRENCH as windows-1252 bytes (Latin-1 but for the quote) in a page with `meta` in its head."""
+    return b"<html><head>" + meta + b"<title>Menu</title></head><body><p>" + FRENCH.encode("cp1252") + b"</p></body></html>"
 
 
 def build_pdf(objects: list[bytes]) -> bytes:
@@ -84,7 +102,14 @@ def site():
         "/li": (gzip.compress(b"<li>x" * (five_mb // 5), 1), "text/html", {"Content-Encoding": "gzip"}),
         "/shared.pdf": (shared_stream_pdf(50), "application/pdf", {}),
         "/one-slow-page.pdf": (shared_stream_pdf(1, b"Quantum widgets improve yield"), "application/pdf", {}),
-        "/surrogate.pdf": (surrogate_pdf(), "application/pdf", {})})
+        "/surrogate.pdf": (surrogate_pdf(), "application/pdf", {}),
+        "/deep": (gzip.compress(nested_page(ARTICLE_TEXT), 1), "text/html", {"Content-Encoding": "gzip"}),
+        "/deep-empty": (gzip.compress(b"<div>" * DEPTH + b"</div>" * DEPTH, 1), "text/html",
+                        {"Content-Encoding": "gzip"}),
+        "/latin1-header": (french_page(b""), "text/html; charset=utf-8", {}),
+        "/latin1-meta": (french_page(b'<meta charset="utf-8">'), "text/html", {}),
+        "/latin1-http-equiv": (french_page(b'<meta http-equiv="Content-Type" content="text/html; charset=UTF-8">'),
+                               "text/html", {})})
     yield server
     server.close()
 
@@ -105,8 +130,9 @@ def test_unterminated_and_nested_tags_parse_in_linear_time_and_bounded_memory(si
         tags, nested = fetcher.fetch_many([site.url("/unterminated-a"), site.url("/unclosed-i")])
         peak_mb = worker_peak_mb(fetcher)
     assert tags.ok and tags.text == ""
-    # 1.25 M unclosed <i>: libxml2 keeps 256 levels of nesting and drops what lies deeper (a few hundred "x")
-    assert nested.ok and 0 < len(nested.text) < 1000 and set(nested.text) <= {"x", " "}
+    # 1.25 M unclosed <i>: libxml2 stops at 256 levels; the tree-free reader goes on until max_text_chars (20,000)
+    # are read: "x" joined by spaces, 10,000 of them and the space after the last one
+    assert nested.ok and nested.text == "x " * 10_000
     # this process holds the 5 MB body twice (its chunks as read, then joined): under 3 x 5 MB
     assert cost.elapsed_s < 5.0 + SLACK_S and peak_mb < 1024 and cost.peak_bytes < 3 * 5 * MB
 
@@ -121,6 +147,64 @@ def test_a_page_over_the_workers_memory_limit_fails_and_the_worker_is_replaced(s
     assert (page.kind, page.transient) == ("extract_memory", False), page.error
     assert again.ok and restarts == 1  # the replacement reads the next page
     assert cost.elapsed_s < 5.0 + SLACK_S and cost.peak_bytes < 3 * 5 * MB  # as above
+
+
+# ---- 4. HTML: an article nested past the parser's limit is read, or fails with its own kind (issue 47) -------
+def test_an_article_nested_past_the_depth_limit_is_read_whole(site, tmp_path):
+    cfg = browse_cfg(max_bytes=5 * MB, respect_robots=False)
+    with PageFetcher(cfg, tmp_path) as fetcher, measured() as cost:
+        deep, empty = fetcher.fetch_many([site.url("/deep"), site.url("/deep-empty")])
+        peak_mb = worker_peak_mb(fetcher)
+    # the title, the article 100,000 <div>s down (its &amp; unescaped) and the footer after the nesting; the script
+    # and the comment beside the article dropped. Before: "A page" alone, an empty success.
+    assert deep.ok and deep.text == f"A page {ARTICLE_TEXT} Footer line.", (deep.kind, deep.text[:200])
+    # 100,000 <div>s and no text in them at all: a failure of its own kind, never an empty success
+    assert (empty.kind, empty.transient) == ("too_deep", False), (empty.kind, empty.text)
+    # 1.1 MB of markup: well within the 5 s the other hostile pages take; the worker far below its 1 GB limit
+    assert cost.elapsed_s < 5.0 + SLACK_S and peak_mb < 1024 and cost.peak_bytes < 3 * 5 * MB
+
+
+def test_only_a_page_past_the_limit_is_too_deep_and_the_two_readers_agree():
+    from stages.agent.search.extract import ExtractError, html_to_text
+    from stages.agent.search.html_text import stream_text
+    from tests.unit.test_agent_browse import ARTICLE, INJECTION
+
+    with pytest.raises(ExtractError) as failure:
+        html_to_text(b"<div>" * 257 + b"</div>" * 257, None, 20_000)  # one level past libxml2's 256
+    assert failure.value.kind == "too_deep"
+    assert html_to_text(b"<div>" * 200 + b"</div>" * 200, None, 20_000) == ""  # within the limit: an empty page
+    # on ordinary pages the tree-free reader reads what the tree does (scripts, styles, frames dropped; entities)
+    for page in (ARTICLE, INJECTION):
+        assert stream_text(page.decode(), 20_000) == html_to_text(page, "utf-8", 20_000)
+    # void and self-closing dropped tags hide nothing after them; an unclosed <script> hides the rest, as in a tree
+    assert stream_text("<embed src=x>a<svg/>b<frame>c<script>d", 100) == "a b c"
+    assert stream_text("<p>" + "x" * 50 + "</p>", 10) == "x" * 10  # cut at max_chars
+
+
+# ---- 4. HTML: a declared charset that does not decode falls back to detection (issue 47) -------------------------
+@pytest.mark.parametrize("path", ["/latin1-header", "/latin1-meta", "/latin1-http-equiv"])
+def test_latin1_declared_as_utf8_reads_as_latin1(site, tmp_path, path):
+    with PageFetcher(browse_cfg(respect_robots=False), tmp_path) as fetcher, measured() as cost:
+        page = fetcher.fetch(site.url(path))
+    # before: "Le caf\ufffd de Flore ... Cr\ufffdme br\ufffdl\ufffde" (libxml2 trusted the label)
+    assert page.ok and page.text == f"Menu {FRENCH}", page.text
+    assert cost.elapsed_s < SLACK_S
+
+
+def test_the_charset_is_the_first_declared_one_that_decodes_else_detected():
+    from stages.agent.search.html_text import choose_charset, decode_page
+
+    utf8 = "<p>caf\u00e9 \u2014 \u65e5\u672c</p>".encode()
+    assert choose_charset(utf8[:-6], "utf-8") == "utf-8"  # cut inside 本 (3 bytes) by the byte cap: still UTF-8
+    assert choose_charset(b"\xef\xbb\xbf" + utf8, "iso-8859-1") == "utf-8-sig"  # a byte-order mark wins
+    assert choose_charset(utf8, "iso-8859-1") == "iso8859-1"  # a label that decodes is trusted
+    assert choose_charset(utf8, "x-no-such-charset") == "utf-8"  # an unknown label: UTF-8 when it decodes
+    latin1 = FRENCH.replace("\u2019", "'").encode("latin-1")
+    # charset_normalizer ranks cp1250 (\xe8 = \u010d) level with cp1252 here: the tie goes to windows-1252
+    assert choose_charset(latin1, "utf-8") == "cp1252"
+    assert decode_page(latin1, "utf-8") == (FRENCH.replace("\u2019", "'"), "cp1252")
+    meta = b'<meta charset="iso-8859-7">' + "\u03b1\u03b2".encode("iso-8859-7")  # Greek, declared in a <meta>
+    assert decode_page(meta, None)[0].endswith("\u03b1\u03b2")
 
 
 # ---- 4. PDF: bounded per page and in all ---------------------------------------------------------------------

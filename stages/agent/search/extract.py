@@ -1,10 +1,13 @@
 """Page bytes -> text, and the passage of a page that a search snippet points at (the reference's deep-search tool,
 docs/reference.md "Deep-search browsing").
 
-- HTML: lxml's HTML parser (libxml2: linear time, and its default nesting limit of 256 levels bounds a page of
-  unclosed tags; text below that depth is dropped), comments and processing instructions dropped, then scripts,
-  styles, templates and frames with their content (nothing is executed or fetched), words joined by single spaces,
-  first `max_text_chars`.
+- HTML: the body decoded in its real charset (the declared one when it decodes, else detected:
+  stages/agent/search/html_text.py), then lxml's HTML parser (libxml2: linear time) over it, comments and
+  processing instructions dropped, then scripts, styles, templates and frames with their content (nothing is
+  executed or fetched), words joined by single spaces, first `max_text_chars`. libxml2 stops at its nesting limit
+  (256 levels: it bounds the tree of a page of unclosed tags) and drops everything after that point; a page that
+  reaches it is read again by `html_text.stream_text`, which needs no tree, so the text below the limit is kept. A
+  page that reaches the limit and holds no text at all fails as `too_deep`, never an empty success.
 - PDF: pypdf, at most `pdf_max_pages` pages, first `pdf_max_words` words; with a `deadline` each page gets at most
   `page_timeout_s` (a slower page is skipped) and the whole document until the deadline (`Overrun`).
 - Binary junk served as text (NUL or control bytes in its first 8 KB) is refused, never passed on as text.
@@ -21,7 +24,6 @@ here are soft (a signal, seen between bytecodes), the worker's kill is the hard 
 
 from __future__ import annotations
 
-import codecs
 import io
 import logging
 import re
@@ -31,8 +33,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_DROP_TAGS = ("script", "style", "noscript", "template", "iframe", "frame", "frameset", "object", "embed", "svg",
-              "canvas")
+from stages.agent.search.html_text import DROP_TAGS, decode_page, stream_text
+
 _CONTROL = set(range(0, 9)) | {11, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31}
 _PUNCT = str.maketrans("", "", string.punctuation)
 _EN_SENTENCE = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
@@ -84,27 +86,21 @@ def valid_text(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
-def _known_charset(charset: str | None) -> str | None:
-    try:
-        return codecs.lookup(charset).name if charset else None
-    except LookupError:  # an unknown charset name in the header: let the parser detect it
-        return None
-
-
-def _parse_html(data: bytes, charset: str | None):  # noqa: ANN202 - an lxml element
+def _parse_html(text: str) -> tuple[object | None, bool]:
+    """(lxml's tree of `text`, or None for a document of nothing but markup; whether libxml2 stopped at one of its
+    limits, the nesting depth: what follows that point is missing from the tree)."""
     from lxml import etree, html
 
-    for encoding in dict.fromkeys((_known_charset(charset), None)):
-        parser = html.HTMLParser(encoding=encoding, remove_comments=True, remove_pis=True, no_network=True)
-        try:
-            return html.document_fromstring(data, parser=parser)
-        except etree.ParserError:  # "Document is empty": nothing but markup or whitespace
-            return None
-        except (LookupError, ValueError, etree.LxmlError) as err:  # an encoding libxml2 does not know, ...
-            if any(entry.type_name == "ERR_NO_MEMORY" for entry in getattr(err, "error_log", ())):
-                raise MemoryError("libxml2 ran out of memory") from None  # the worker's limit, not bad HTML
-            last = err
-    raise ExtractError("unparsable", f"HTML could not be parsed: {type(last).__name__}")
+    parser = html.HTMLParser(encoding="utf-8", remove_comments=True, remove_pis=True, no_network=True)
+    try:
+        root = html.document_fromstring(text.encode("utf-8"), parser=parser)
+    except etree.ParserError:  # "Document is empty": nothing but markup or whitespace
+        root = None
+    except (LookupError, ValueError, etree.LxmlError) as err:
+        if any(entry.type_name == "ERR_NO_MEMORY" for entry in getattr(err, "error_log", ())):
+            raise MemoryError("libxml2 ran out of memory") from None  # the worker's limit, not bad HTML
+        raise ExtractError("unparsable", f"HTML could not be parsed: {type(err).__name__}") from None
+    return root, any(entry.type_name == "ERR_RESOURCE_LIMIT" for entry in parser.error_log)
 
 
 def html_to_text(data: bytes, charset: str | None, max_chars: int) -> str:
@@ -113,10 +109,19 @@ def html_to_text(data: bytes, charset: str | None, max_chars: int) -> str:
 
     if looks_binary(data):
         raise ExtractError("binary", "the body is binary data, not text")
-    root = _parse_html(data, charset) if data.strip() else None
+    if not data.strip():
+        return ""
+    text, _ = decode_page(data, charset)
+    root, stopped = _parse_html(text)
+    if stopped:  # libxml2 hit its nesting limit and dropped the rest: read the page without a tree
+        read = stream_text(text, max_chars)
+        if not read:
+            raise ExtractError("too_deep", "the page nests its elements past the HTML parser's limit (256 levels) "
+                               "and no text was found in it")
+        return valid_text(read)
     if root is None:
         return ""
-    etree.strip_elements(root, *_DROP_TAGS, with_tail=False)
+    etree.strip_elements(root, *DROP_TAGS, with_tail=False)
     parts, size = [], 0
     for piece in root.itertext():
         words = piece.split()

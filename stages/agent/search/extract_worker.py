@@ -35,8 +35,9 @@ class Extractor:
     def __init__(self, cfg: BrowseSection, command: tuple[str, ...] | None = None) -> None:
         self.cfg = cfg
         command = command or (sys.executable, "-m", __name__, str(cfg.extract_memory_mb << 20))
-        self._pool = WorkerPool(command, cfg.extract_workers, "page extraction", start_hint="Check that lxml and "
-                                f"pypdf import in this environment: {sys.executable} -c 'import lxml.html, pypdf'")
+        self._pool = WorkerPool(command, cfg.extract_workers, "page extraction", start_hint="Check that lxml, "
+                                "pypdf and charset_normalizer import in this environment: "
+                                f"{sys.executable} -c 'import lxml.html, pypdf, charset_normalizer'")
         self._pool.prestart()
 
     @property
@@ -95,7 +96,8 @@ def _extract(message: dict[str, Any], body: bytes) -> dict[str, Any]:
 
 
 def _warm() -> None:
-    import lxml.html  # noqa: F401 - imported before the worker says it is ready
+    import charset_normalizer  # noqa: F401 - imported before the worker says it is ready
+    import lxml.html  # noqa: F401
     import pypdf  # noqa: F401
 
 

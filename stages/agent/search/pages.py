@@ -62,7 +62,7 @@ from stages.core.ratelimit import SharedRateLimiter
 from stages.core.store import SQLiteStore, store_key
 
 __all__ = ["Page", "PageCache", "PageFailure", "PageFetcher", "check_address", "export_page_cache"]
-EXTRACT_VERSION = "lxml-pypdf-2"  # bump when extraction changes what a cached page holds
+EXTRACT_VERSION = "lxml-pypdf-3"  # bump when extraction changes what a cached page holds
 ROBOTS_MAX_BYTES = 512_000
 _TEXT_TYPES = ("text/html", "application/xhtml", "text/plain", "application/xml", "text/xml")
 log = get_logger(__name__)
