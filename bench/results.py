@@ -7,6 +7,9 @@ load average and the machine, written atomically (a rerun replaces the file). A 
 between markers: the summary table of every result between `<!-- bench-table:start -->` and
 `<!-- bench-table:end -->`, and a result's table `T` between `<!-- bench-table:<name>/T:start -->` and
 `<!-- bench-table:<name>/T:end -->`. tests/unit/test_bench_results.py fails when the page differs from the files.
+A record superseded by a protocol it predates moves to `bench/results/history/` (git mv): its tables stay on the page
+as `history/<name>/T`, and it leaves the summary table. Other folders under bench/results/ (a bench's working folders,
+`per-question/`) hold no records.
 
     .venv/bin/python -m bench.results --write-docs    # rewrite the generated tables in docs/benchmarks.md
     .venv/bin/python -m bench.results --check         # exit 1 when they are out of date
@@ -28,9 +31,10 @@ from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = PROJECT_ROOT / "bench" / "results"
+HISTORY = "history"  # bench/results/history/: records kept for the page's history, not in the summary table
 DOC = PROJECT_ROOT / "docs" / "benchmarks.md"
-# `<!-- bench-table:start -->` (the summary) or `<!-- bench-table:<name>/<table>:start -->`, up to its end marker
-BLOCK = re.compile(r"<!-- bench-table(?P<tag>(?::[\w.-]+/[\w.-]+)?):start -->\n(?P<body>.*?)"
+# `<!-- bench-table:start -->` (the summary) or `<!-- bench-table:[history/]<name>/<table>:start -->`, to its end
+BLOCK = re.compile(r"<!-- bench-table(?P<tag>(?::(?:history/)?[\w.-]+/[\w.-]+)?):start -->\n(?P<body>.*?)"
                    r"<!-- bench-table(?P=tag):end -->", re.S)
 
 
@@ -81,8 +85,11 @@ def write_result(name: str, figures: dict[str, Any], *, summary: str, what: str,
 
 
 def load_results(root: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]:
-    """Every result file under `root`, by name, in name order."""
-    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(root.glob("*.json"))}
+    """Every result file directly under `root`, by name, in name order, then those under `root/history/` as
+    `history/<name>`."""
+    current = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(root.glob("*.json"))}
+    return {**current, **{f"{HISTORY}/{p.stem}": json.loads(p.read_text(encoding="utf-8"))
+                          for p in sorted((root / HISTORY).glob("*.json"))}}
 
 
 def _load(record: dict[str, Any]) -> str:
@@ -115,7 +122,9 @@ def _cell(value: Any) -> str:
 
 def summary_table(results: dict[str, dict[str, Any]]) -> str:
     rows = ["| bench | what | result | measured |", "|---|---|---|---|"]
-    for record in results.values():
+    for name, record in results.items():
+        if name.startswith(f"{HISTORY}/"):
+            continue
         result = record["summary"].format(**record["figures"])
         if record.get("details"):
             result += f" ([details]({record['details']}))"
@@ -123,11 +132,11 @@ def summary_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def result_table(record: dict[str, Any], table: str) -> str:
+def result_table(record: dict[str, Any], table: str, name: str | None = None) -> str:
     spec = record["tables"][table]
     rows = ["| " + " | ".join(map(_cell, spec["columns"])) + " |", "|" + "---|" * len(spec["columns"])]
     rows += ["| " + " | ".join(map(_cell, row)) + " |" for row in spec["rows"]]
-    return "\n".join(rows) + f"\n\n{measured(record)}; `{record['name']}` in bench/results/.\n"
+    return "\n".join(rows) + f"\n\n{measured(record)}; `{name or record['name']}` in bench/results/.\n"
 
 
 def render(text: str, results: dict[str, dict[str, Any]]) -> str:
@@ -137,10 +146,10 @@ def render(text: str, results: dict[str, dict[str, Any]]) -> str:
         if not name:
             body, tag = summary_table(results), ""
         else:
-            result, _, table = name.partition("/")
+            result, _, table = name.rpartition("/")
             if table not in results.get(result, {}).get("tables", {}):
                 raise KeyError(f"docs name the table {name!r}, which no file in bench/results/ holds")
-            body, tag = result_table(results[result], table), f":{name}"
+            body, tag = result_table(results[result], table, result), f":{name}"
         return f"<!-- bench-table{tag}:start -->\n{body}<!-- bench-table{tag}:end -->"
 
     return BLOCK.sub(block, text)

@@ -29,7 +29,7 @@ def test_every_record_reads_and_says_where_it_came_from() -> None:
     assert {"tiny_chain", "ci"} <= set(records)
     for name, record in records.items():
         assert FIELDS <= set(record), (name, FIELDS - set(record))
-        assert record["name"] == name
+        assert record["name"] == name.removeprefix("history/")   # a record kept for the page's history
         record["summary"].format(**record["figures"])      # the summary names only figures the record holds
         assert record["date"] or record.get("documented_by"), f"{name}: no date of measurement or record"
         assert record["source"].startswith(("measured: ", "docs/", "README.md")), (name, record["source"])
@@ -81,3 +81,20 @@ def test_a_summary_naming_a_figure_it_lacks_fails_when_written(tmp_path: Path) -
 def test_docs_naming_a_table_no_result_holds_fail() -> None:
     with pytest.raises(KeyError, match="nothing/t"):
         results.render("<!-- bench-table:nothing/t:start -->\n<!-- bench-table:nothing/t:end -->\n", {})
+
+
+def test_history_records_keep_their_tables_and_leave_the_summary(tmp_path: Path) -> None:
+    for name in ("now", "old"):
+        results.write_result(name, {"x": 1}, summary=f"{name} {{x}}", what=name, command=f"bench/bench_{name}.py",
+                             tables={"t": {"columns": ["a"], "rows": [[name]]}}, root=tmp_path)
+    (tmp_path / "history").mkdir()
+    (tmp_path / "old.json").rename(tmp_path / "history" / "old.json")
+    (tmp_path / "per-question").mkdir()                 # another folder's JSON is no record
+    (tmp_path / "per-question" / "now.json").write_text("{}")
+    loaded = results.load_results(tmp_path)
+    assert list(loaded) == ["now", "history/old"]
+    doc = ("<!-- bench-table:start -->\n<!-- bench-table:end -->\n"
+           "<!-- bench-table:history/old/t:start -->\n<!-- bench-table:history/old/t:end -->\n")
+    out = results.render(doc, loaded)
+    assert "bench_now.py" in out and "bench_old.py" not in out                      # the summary: current only
+    assert "| a |\n|---|\n| old |\n" in out and "`history/old` in bench/results/." in out

@@ -1,0 +1,234 @@
+"""The learning bench's pre-registered protocol (issue 44, docs/benchmarks.md "Learning bench protocol"), as tables
+computed from a record's per-question file alone: rerunning it from the repository reproduces every interval (the
+bootstrap is seeded by the design).
+
+Primary endpoints (the primary family, Holm at alpha over them): E1 each algorithm - SFT, then each tree algorithm
+- the baseline (E2 ARPO - GRPO, E3 AEPO - GRPO). Every other family is an exploratory arm: the same endpoints,
+unadjusted, and said so. Secondary endpoints (unadjusted): accuracy among well-formed answers (format repair vs
+reasoning), the well-formed rate, executed tool calls per question. Control: the lr = 0 run - SFT must hold 0.
+
+    .venv/bin/python -m bench.learning_stats <record>   # e.g. learning: bench/results/per-question/learning.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import learning_stats as st
+from bench.learning_questions import (
+    PER_QUESTION_DIR,
+    SFT,
+    Family,
+    count_SQ,
+    paired,
+    policies,
+    rate_SQ,
+    read_per_question,
+)
+from stages.core.algorithm_spec import SPECS
+
+CONTROL = "control"
+
+
+@dataclass(frozen=True)
+class Design:
+    """What the protocol fixes before the confirmatory run."""
+    alpha: float = 0.05
+    target_mde: float = 0.07          # the pre-registered smallest difference worth finding at `power`
+    power: float = 0.8
+    primary_family: str = "arith"     # Holm over its primaries; the other families are exploratory
+    algorithms: tuple[str, ...] = tuple(spec.name for spec in SPECS)
+    baseline: str = next(spec.name for spec in SPECS if not spec.branches)   # GRPO: independent samples
+    bootstrap_samples: int = st.BOOTSTRAP_SAMPLES
+    bootstrap_seed: int = 0
+    seeds_options: tuple[int, ...] = (3, 4, 5, 6, 8, 10, 12, 16, 20)
+    question_options: tuple[int, ...] = (80, 200, 400, 800, 1600)
+
+
+def _p(p: float) -> str:
+    return "n/a" if math.isnan(p) else f"{p:.4f}" if p >= 1e-3 else f"{p:.1e}"
+
+
+def _ci(e: st.Estimate) -> str:
+    return f"[{e.low:+.3f}, {e.high:+.3f}] ({100 * e.confidence:.4g}%)"
+
+
+def _boot(d: np.ndarray, design: Design, confidence: float = 0.95) -> st.Estimate:
+    return st.two_level_bootstrap(d, design.bootstrap_samples, design.bootstrap_seed, confidence)
+
+
+def primary_pairs(family: Family, design: Design) -> list[tuple[str, str, str]]:
+    """(name, a, b) of the primary endpoints the family's runs allow: E1 per algorithm, then each other algorithm
+    against the baseline (E2, E3, ...)."""
+    have = set(policies(family))
+    algos = [a for a in design.algorithms if a in have]
+    out = [(f"E1 {a} - {SFT}", a, SFT) for a in algos if SFT in have]
+    others = [a for a in algos if a != design.baseline and design.baseline in have]
+    return out + [(f"E{i} {a} - {design.baseline}", a, design.baseline) for i, a in enumerate(others, start=2)]
+
+
+def _diff(family: Family, a: str, b: str, field: str = "correct") -> np.ndarray:
+    _, ra, rb = paired(family, a, b)
+    if not ra:
+        raise ValueError(f"{a} and {b} share no seed: nothing to pair")
+    return rate_SQ(ra, field) - rate_SQ(rb, field)
+
+
+def _mde_power(d: np.ndarray, level: float, design: Design) -> tuple[float, float]:
+    """MDE at `design.power` and the power at the target, from this d's own variance components."""
+    if min(d.shape) < 2:
+        return math.nan, math.nan
+    se = st.se_of_mean(st.variance_components(d), *d.shape)
+    return st.mde(se, level, design.power), st.power_at(design.target_mde, se, level)
+
+
+def verdict(mean: float, rejected: bool, mde: float, target: float) -> str:
+    """One line per claim: shown / reversed (rejected, by sign), not shown (the design could have found an effect
+    of the target size), or within noise at the MDE this run had."""
+    if rejected:
+        return "shown" if mean > 0 else "reversed"
+    if math.isnan(mde):
+        return "within noise (MDE not estimable: fewer than 2 seeds or questions)"
+    if mde <= target:
+        return f"not shown (an effect >= {mde:.3f} would have been found)"
+    return f"within noise at an MDE of {mde:.3f}"
+
+
+def primary_table(name: str, family: Family, design: Design) -> dict[str, Any]:
+    """Per primary endpoint: mean, Holm-stepped interval, bootstrap p, Holm p, seed t-test p, MDE, power, verdict."""
+    confirmatory = name == design.primary_family
+    pairs = primary_pairs(family, design)
+    diffs = {label: _diff(family, a, b) for label, a, b in pairs}
+    boots = {label: _boot(d, design) for label, d in diffs.items()}
+    adjusted = st.holm({label: e.p for label, e in boots.items()}, design.alpha) if confirmatory else {}
+    rows = []
+    for label, d in diffs.items():
+        h = adjusted.get(label)
+        level = h.level if h else design.alpha
+        e = _boot(d, design, 1 - level)
+        rejected = h.rejected if h else e.p <= design.alpha
+        mde, power = _mde_power(d, level, design)
+        call = verdict(e.mean, rejected, mde, design.target_mde)
+        rows.append([label, family.split, f"{d.shape[0]} x {d.shape[1]}", f"{e.mean:+.3f}", _ci(e), _p(e.p),
+                     _p(h.adjusted) if h else "unadjusted (exploratory)", _p(st.seed_t_test(d).p),
+                     f"{mde:.3f}", f"{power:.2f}", call if confirmatory else f"{call} (exploratory, unadjusted)"])
+    return {"columns": ["endpoint", "split", "seeds x questions", "mean", "interval (Holm-stepped level)",
+                        "bootstrap p", "Holm p", "seed t-test p", f"MDE ({design.power:.0%} power)",
+                        f"power at {design.target_mde:g}", "verdict"], "rows": rows}
+
+
+def _secondary_rows(family: Family, a: str, b: str, design: Design) -> list[list[str]]:
+    _, ra, rb = paired(family, a, b)
+    if not ra:
+        return []
+    rows = []
+    if b == SFT:
+        (ca, fa), (cb, fb) = [(count_SQ(r, "correct"), count_SQ(r, "formed")) for r in (ra, rb)]
+        ratio = st.ratio_bootstrap(ca, fa, cb, fb, design.bootstrap_samples, design.bootstrap_seed)
+        rows.append([f"accuracy among well-formed: {a} - {b}", f"{st.pooled_ratio(ca, fa):.3f}",
+                     f"{st.pooled_ratio(cb, fb):.3f}", f"{ratio.mean:+.3f} {_ci(ratio)}", _p(ratio.p)])
+        formed = _boot(rate_SQ(ra, "formed") - rate_SQ(rb, "formed"), design)
+        rows.append([f"well-formed rate: {a} - {b}", f"{rate_SQ(ra, 'formed').mean():.3f}",
+                     f"{rate_SQ(rb, 'formed').mean():.3f}", f"{formed.mean:+.3f} {_ci(formed)}", _p(formed.p)])
+    ca, cb = rate_SQ(ra, "calls"), rate_SQ(rb, "calls")
+    calls = _boot(ca - cb, design)
+    ratio_text = f" ({ca.mean() / cb.mean():.2f}x)" if cb.mean() else ""
+    rows.append([f"tool calls per question: {a} vs {b}", f"{ca.mean():.2f}{ratio_text}", f"{cb.mean():.2f}",
+                 f"{calls.mean:+.3f} {_ci(calls)}", _p(calls.p)])
+    return rows
+
+
+def secondary_table(family: Family, design: Design) -> dict[str, Any]:
+    """Unadjusted: accuracy among well-formed answers and the well-formed rate (RL - SFT), tool calls per question
+    (RL vs SFT, each other algorithm vs the baseline)."""
+    rows = []
+    for _, a, b in primary_pairs(family, design):
+        rows += _secondary_rows(family, a, b, design)
+    return {"columns": ["endpoint (unadjusted)", "policy", "against", "difference [95%]", "bootstrap p"],
+            "rows": rows}
+
+
+def control_table(family: Family, design: Design) -> dict[str, Any] | None:
+    """The lr = 0 control - SFT: the save -> reload -> evaluate path alone; its interval must hold 0."""
+    if CONTROL not in policies(family) or SFT not in policies(family):
+        return None
+    d = _diff(family, CONTROL, SFT)
+    e = _boot(d, design)
+    call = ("holds 0: the path leaves the policy as SFT" if e.low <= 0 <= e.high
+            else "excludes 0: the save -> reload -> evaluate path changes the policy; no RL gain can be read")
+    return {"columns": ["endpoint", "seeds x questions", "difference [95%]", "bootstrap p", "verdict"],
+            "rows": [[f"{CONTROL} - {SFT}", f"{d.shape[0]} x {d.shape[1]}", f"{e.mean:+.3f} {_ci(e)}", _p(e.p),
+                      call]]}
+
+
+def design_table(name: str, family: Family, design: Design) -> dict[str, Any]:
+    """Per primary endpoint: this run's variance components and the cheapest design whose MDE meets the target, at
+    the first Holm step's level alpha/m in the primary family (every endpoint's level is unknown before the run, so
+    the smallest is planned for), alpha in an exploratory one. Samples per question as in this run."""
+    pairs = primary_pairs(family, design)
+    level = design.alpha / len(pairs) if name == design.primary_family and pairs else design.alpha
+    rows = []
+    for label, a, b in pairs:
+        d = _diff(family, a, b)
+        if min(d.shape) < 2:
+            continue
+        c = st.variance_components(d)
+        now = st.mde(st.se_of_mean(c, *d.shape), level, design.power)
+        grid = st.design_grid(c, list(design.seeds_options), list(design.question_options), level,
+                              design.target_mde, design.power)
+        best = grid["best"]
+        rows.append([label, f"{d.shape[0]} x {d.shape[1]}", f"{c.seed:.2e}", f"{c.question:.2e}",
+                     f"{c.residual:.2e}", f"{now:.3f}",
+                     f"{best['seeds']} x {best['questions']}" if best else "none in the grid",
+                     f"{best['mde']:.3f}" if best else ""])
+    return {"columns": ["endpoint", "seeds x questions (this run)", "var seed", "var question", "var residual",
+                        f"MDE now (alpha {level:.3g})", f"cheapest design for MDE <= {design.target_mde:g}",
+                        "its MDE"], "rows": rows}
+
+
+def protocol_tables(per_question: dict[str, Family], design: Design = Design()) -> dict[str, dict[str, Any]]:
+    """Every family's protocol tables, named `<family>-primary|secondary|control|design` as a record holds them."""
+    tables: dict[str, dict[str, Any]] = {}
+    for name, family in per_question.items():
+        tables[f"{name}-primary"] = primary_table(name, family, design)
+        tables[f"{name}-secondary"] = secondary_table(family, design)
+        control = control_table(family, design)
+        if control:
+            tables[f"{name}-control"] = control
+        tables[f"{name}-design"] = design_table(name, family, design)
+    return tables
+
+
+def markdown(table: dict[str, Any]) -> str:
+    lines = ["| " + " | ".join(table["columns"]) + " |", "|" + "---|" * len(table["columns"])]
+    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in table["rows"]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the learning bench's protocol tables from a per-question file")
+    parser.add_argument("record", help="the record's name, e.g. learning (bench/results/per-question/<record>.json)")
+    parser.add_argument("--root", default=str(PER_QUESTION_DIR))
+    parser.add_argument("--alpha", type=float, default=Design.alpha)
+    parser.add_argument("--target-mde", type=float, default=Design.target_mde)
+    parser.add_argument("--primary-family", default=Design.primary_family)
+    args = parser.parse_args(argv)
+    design = replace(Design(), alpha=args.alpha, target_mde=args.target_mde, primary_family=args.primary_family)
+    try:
+        per_question = read_per_question(args.record, Path(args.root))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for name, table in protocol_tables(per_question, design).items():
+        print(f"\n## {name}\n\n{markdown(table)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""bench/learning_stats.py: the learning bench's statistics on arrays small enough to derive by hand."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from bench import learning_stats as st
+
+
+# ---- the two-level bootstrap ----------------------------------------------------------------------------------
+def test_a_constant_difference_has_a_point_interval_and_the_floor_p() -> None:
+    e = st.two_level_bootstrap(np.full((3, 5), 0.25), samples=1000, seed=1)
+    # every draw is 0.25: P(d* <= 0) = 0, so 2 min(...) = 0, floored at 1/samples
+    assert (e.mean, e.low, e.high, e.p, e.confidence) == (0.25, 0.25, 0.25, 1 / 1000, 0.95)
+
+
+def test_questions_are_drawn_once_for_all_seeds() -> None:
+    # two seeds that agree per question: question 0 gives 1, question 1 gives 0. A draw of the questions shared by
+    # the seeds gives a mean in {0, 1/2, 1} (both q0, one of each, both q1: probabilities 1/4, 1/2, 1/4); drawing
+    # them per seed would also give 1/4 and 3/4
+    draws = st.two_level_draws(np.array([[1.0, 0.0], [1.0, 0.0]]), samples=20000, seed=0)
+    assert set(np.unique(draws)) <= {0.0, 0.5, 1.0}
+    assert np.mean(draws == 1.0) == pytest.approx(0.25, abs=0.015)   # sd sqrt(.25 .75 / 20000) = 0.003
+    assert np.mean(draws == 0.5) == pytest.approx(0.5, abs=0.015)
+
+
+def test_seeds_are_resampled() -> None:
+    # seed 0 gives 1 on every question, seed 1 gives 0: a draw's mean is the fraction of seed-0 draws, 0, 1/2 or 1
+    draws = st.two_level_draws(np.array([[1.0, 1.0], [0.0, 0.0]]), samples=20000, seed=0)
+    assert set(np.unique(draws)) <= {0.0, 0.5, 1.0}
+    assert np.mean(draws == 0.0) == pytest.approx(0.25, abs=0.015)
+
+
+def test_a_symmetric_difference_has_p_one_and_the_full_range() -> None:
+    # one seed, d = (1, -1): draws 1, 0, -1 with probabilities 1/4, 1/2, 1/4; P(d* <= 0) = P(d* >= 0) = 3/4, so
+    # 2 min(...) = 1.5, capped at 1; the 2.5% and 97.5% quantiles are -1 and +1
+    e = st.two_level_bootstrap(np.array([[1.0, -1.0]]), samples=4000, seed=0)
+    assert (e.mean, e.low, e.high, e.p) == (0.0, -1.0, 1.0, 1.0)
+
+
+def test_the_bootstrap_p_of_a_skewed_difference() -> None:
+    # one seed, d = (1, 1, -1): 27 equally likely draws of 3 questions; the mean is <= 0 when at least two are
+    # q2 (the -1): 3 * 1/3^2 * 2/3 + 1/27 = 7/27, so p = 2 * 7/27 = 0.5185
+    e = st.two_level_bootstrap(np.array([[1.0, 1.0, -1.0]]), samples=40000, seed=3)
+    assert e.p == pytest.approx(14 / 27, abs=0.015) and e.mean == pytest.approx(1 / 3)
+
+
+def test_the_bootstrap_is_seeded_and_fast_at_the_confirmatory_size() -> None:
+    d = np.random.default_rng(0).normal(0.05, 0.5, size=(10, 400))
+    start = time.perf_counter()
+    a = st.two_level_bootstrap(d, samples=4000, seed=7)
+    assert time.perf_counter() - start < 2.0            # vectorized: ~0.1 s here; a loop per draw takes ~10x that
+    assert a == st.two_level_bootstrap(d, samples=4000, seed=7)
+    assert a.low < a.mean < a.high
+
+
+def test_a_shapeless_difference_is_refused() -> None:
+    with pytest.raises(ValueError, match="seeds, questions"):
+        st.two_level_bootstrap(np.zeros(4))
+
+
+# ---- the ratio endpoint ---------------------------------------------------------------------------------------
+def test_pooled_ratio_is_the_mean_over_seeds_of_sums() -> None:
+    # seed 0: 2/3, seed 1: 1/3 -> 1/2
+    assert st.pooled_ratio(np.array([[1, 1], [0, 1]]), np.array([[1, 2], [1, 2]])) == pytest.approx(0.5)
+
+
+def test_the_ratio_difference_is_recomputed_per_draw() -> None:
+    # one seed, two questions; a: correct (1, 1) of well-formed (1, 2) -> 2/3; b: (0, 1) of (1, 2) -> 1/3.
+    # Draws: {q0, q0}: 1 - 0 = 1; {q1, q1}: 1/2 - 1/2 = 0; {q0, q1}: 1/3 (probability 1/2).
+    # P(d* <= 0) = 1/4, P(d* >= 0) = 1 -> p = 1/2
+    args = [np.array([[1, 1]]), np.array([[1, 2]]), np.array([[0, 1]]), np.array([[1, 2]])]
+    draws = st.ratio_draws(*args, samples=20000, seed=0)
+    assert set(np.round(np.unique(draws), 9)) <= {0.0, round(1 / 3, 9), 1.0}
+    e = st.ratio_bootstrap(*args, samples=20000, seed=0)
+    assert e.mean == pytest.approx(1 / 3) and e.p == pytest.approx(0.5, abs=0.02)
+    assert (e.low, e.high) == (0.0, 1.0)
+
+
+def test_a_draw_without_a_denominator_is_left_out() -> None:
+    # a has no well-formed answer on q0: a draw of {q0, q0} is 0/0 and is dropped; the rest are finite
+    args = [np.array([[0, 1]]), np.array([[0, 2]]), np.array([[0, 1]]), np.array([[1, 2]])]
+    draws = st.ratio_draws(*args, samples=4000, seed=0)
+    assert 0.15 < np.mean(np.isnan(draws)) < 0.35                   # 1/4 of the draws
+    assert math.isfinite(st.ratio_bootstrap(*args, samples=4000, seed=0).low)
+
+
+# ---- the seed-level t-test ------------------------------------------------------------------------------------
+def test_seed_t_test_by_hand() -> None:
+    # seed means 1, 2, 3: mean 2, sd 1, se 1/sqrt(3), t = 2 sqrt(3) = 3.4641, df 2. For df 2 the two-sided p is
+    # 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12/14) = 0.074180; t_{0.975, 2} = 4.302653, half width 4.302653/sqrt(3)
+    r = st.seed_t_test(np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]))
+    assert (r.mean, r.df, r.seed_means) == (2.0, 2, (1.0, 2.0, 3.0))
+    assert r.t == pytest.approx(3.4641016, rel=1e-6) and r.p == pytest.approx(0.0741799, rel=1e-5)
+    assert (r.low, r.high) == pytest.approx((-0.484138, 4.484138), abs=1e-5)
+
+
+def test_seed_t_test_edge_cases() -> None:
+    assert math.isnan(st.seed_t_test(np.array([[1.0, 0.0]])).p)               # one seed: no test
+    flat = st.seed_t_test(np.array([[0.5], [0.5]]))                            # no spread, mean 0.5
+    assert (flat.p, flat.low, flat.high) == (0.0, 0.5, 0.5)
+
+
+# ---- Holm -----------------------------------------------------------------------------------------------------
+def test_holm_steps_down_and_stops_at_the_first_failure() -> None:
+    # sorted: a 0.01 (level 0.05/3 = 0.0167: rejected), c 0.03 (level 0.025: not), b 0.04 (not: stopped).
+    # adjusted: a 3 * 0.01 = 0.03; c max(0.03, 2 * 0.03) = 0.06; b max(0.06, 1 * 0.04) = 0.06
+    r = st.holm({"a": 0.01, "b": 0.04, "c": 0.03}, alpha=0.05)
+    assert list(r) == ["a", "b", "c"]
+    assert [(r[k].rank, r[k].rejected) for k in "acb"] == [(1, True), (2, False), (3, False)]
+    assert [r[k].adjusted for k in "acb"] == pytest.approx([0.03, 0.06, 0.06])
+    assert [r[k].level for k in "acb"] == pytest.approx([0.05 / 3, 0.025, 0.05])
+
+
+def test_holm_rejects_all_when_each_step_passes_and_caps_adjusted_at_one() -> None:
+    r = st.holm({"x": 0.001, "y": 0.01, "z": 0.9})
+    # x: 3 * 0.001 = 0.003 <= 0.05 (level 0.0167); y: 2 * 0.01 = 0.02 (level 0.025); z: 0.9 > 0.05
+    assert [r[k].rejected for k in "xyz"] == [True, True, False]
+    assert [r[k].adjusted for k in "xyz"] == pytest.approx([0.003, 0.02, 0.9])
+    assert st.holm({"u": 0.6, "v": 0.7})["u"].adjusted == 1.0                  # 2 * 0.6 capped at 1
+
+
+# ---- variance components, MDE, power, design ------------------------------------------------------------------
+def test_variance_components_of_additive_effects() -> None:
+    # d = [[1, 2], [3, 4]]: seed means 1.5, 3.5, question means 2, 3, grand 2.5, no interaction.
+    # MS_seed = 2 * (1 + 1) / 1 = 4, MS_question = 2 * (0.25 + 0.25) / 1 = 1, MS_residual = 0
+    c = st.variance_components(np.array([[1.0, 2.0], [3.0, 4.0]]))
+    assert (c.seed, c.question, c.residual) == pytest.approx((2.0, 0.5, 0.0))
+    # se = sqrt(2/2 + 0.5/2 + 0) = sqrt(1.25)
+    assert st.se_of_mean(c, 2, 2) == pytest.approx(math.sqrt(1.25))
+
+
+def test_variance_components_clip_negative_estimates() -> None:
+    # d = [[1, 0], [0, 1]]: pure interaction; residuals +-0.5, SS 1 over 1 df -> MS_residual 1; MS_seed =
+    # MS_question = 0, so (0 - 1) / 2 is clipped to 0
+    c = st.variance_components(np.array([[1.0, 0.0], [0.0, 1.0]]))
+    assert (c.seed, c.question, c.residual) == (0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="2 seeds"):
+        st.variance_components(np.ones((1, 5)))
+
+
+def test_mde_and_power() -> None:
+    # z_0.975 = 1.959964, z_0.8 = 0.841621
+    assert st.mde(1.0, 0.05, 0.8) == pytest.approx(2.801585, abs=1e-6)
+    assert st.mde(0.02, 0.01, 0.8) == pytest.approx(0.02 * (2.575829 + 0.841621), abs=1e-6)
+    # at the MDE the power is 0.8 (plus the far tail, Phi(-4.76) = 1e-6); at no effect it is alpha
+    assert st.power_at(2.801585, 1.0, 0.05) == pytest.approx(0.8, abs=1e-5)
+    assert st.power_at(0.0, 1.0, 0.05) == pytest.approx(0.05)
+    # effect = z_0.975 se: Phi(0) + Phi(-3.92) = 0.5 + 4.4e-5
+    assert st.power_at(1.959964, 1.0, 0.05) == pytest.approx(0.500044, abs=1e-6)
+
+
+def test_design_grid_picks_fewest_seeds_then_fewest_questions() -> None:
+    z = 1.959964 + 0.841621
+    # seed variance only, 0.01: MDE = z 0.1 / sqrt(S) <= 0.07 needs S >= (z / 0.7)^2 = 16.02: 16 misses (0.07004)
+    g = st.design_grid(st.Components(0.01, 0.0, 0.0), [4, 16, 20], [400, 80], 0.05, 0.07)
+    assert (g["best"]["seeds"], g["best"]["questions"]) == (20, 80) and len(g["grid"]) == 6
+    assert g["grid"][2]["mde"] == pytest.approx(z * 0.1 / 4)                        # (16, 80)
+    # question variance only, 0.04: MDE = z 0.2 / sqrt(Q) <= 0.07 needs Q >= (z / 0.35)^2 = 64.07
+    g = st.design_grid(st.Components(0.0, 0.04, 0.0), [3, 5], [64, 80, 400], 0.05, 0.07)
+    assert (g["best"]["seeds"], g["best"]["questions"]) == (3, 80)
+    assert st.design_grid(st.Components(1.0, 0.0, 0.0), [3], [80], 0.05, 0.07)["best"] is None
