@@ -314,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args, args.worker)
         return 0
-    from learning_record import record_invocation, write_record
+    from learning_record import build_record, record_invocation
 
-    from bench.results import commit_state
+    from bench.results import commit_state, write_result
 
     root = Path(args.root).resolve()
     args.root = str(root)
@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                        for job in jobs if job.startswith(f"{f}/")} for f in families}
         summaries = {f: json.loads((root / f"summary-{run_name(f, args.tag, args.split)}.json").read_text())
                      for f in families}
-        write_record(args, root, results, summaries, provenance)
+        record = build_record(args, root, results, summaries)
+        write_result(record.pop("name"), record.pop("figures"), command="bench/bench_learning.py",
+                     provenance=provenance, **record)  # a variant's --split, --tag and -o overrides: conditions
     return 1 if missing else 0
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.results import RESULTS_DIR, write_result
+from bench.results import RESULTS_DIR
 
 
 def record_name(args: argparse.Namespace) -> str:
@@ -55,60 +55,47 @@ def bench_wall_min(root: Path, name: str) -> float:
     return round(sum(line["wall_s"] for line in lines if line["record"] == name and line["ran_runs"]) / 60, 1)
 
 
-def headline_figures(family: str, runs: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Per policy the mean over its seeds of held-out accuracy, and each RL policy's gain over SFT (the provenance
-    test recomputes exactly these from the per-question file)."""
-    by_policy: dict[str, list[float]] = {}
-    for run in runs.values():
-        by_policy.setdefault(run["algorithm"], []).append(float(np.mean(run["correct_Q"])))
-    figures = {f"{family}_{policy}": round(float(np.mean(accs)), 4) for policy, accs in by_policy.items()}
-    for policy in by_policy:
-        if policy != "sft" and f"{family}_sft" in figures:
-            figures[f"{family}_{policy}_gain"] = round(figures[f"{family}_{policy}"] - figures[f"{family}_sft"], 4)
-    return figures
-
-
-def write_record(args: argparse.Namespace, root: Path, results: dict[str, dict[str, dict[str, Any]]],
-                 summaries: dict[str, dict[str, Any]], provenance: tuple[str | None, bool]) -> None:
-    """bench/results/<record>.json and its per-question file; families run earlier into the same record are kept.
-    results: per family, every run's results file by run id (`grpo:0`); summaries: per family, learning_report's."""
+def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[str, dict[str, Any]]],
+                 summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Write the per-question file of record `record_name(args)` and return the record's write_result arguments
+    (name, figures, summary, what, details, conditions, tables); families run earlier into the same record are kept.
+    results: per family, every run's results file by run id (`grpo:0`); summaries: per family, learning_report's.
+    Headline figures and the protocol's tables are computed from the per-question file as written, so the record and
+    a recomputation from the repository agree (tests/unit/test_learning_provenance.py)."""
     from learning_report import step_table
-    from learning_stats import compact_run, protocol_tables, write_per_question
 
-    families = list(results)
+    from bench.learning_protocol import Design, protocol_tables
+    from bench.learning_questions import family_payload, headline_figures, read_per_question, write_per_question
+
     name = record_name(args)
     old = json.loads((RESULTS_DIR / f"{name}.json").read_text()) if (RESULTS_DIR / f"{name}.json").is_file() else {}
-    figures = {k: v for k, v in old.get("figures", {}).items() if k.split("_")[0] not in families}
-    tables = {k: v for k, v in old.get("tables", {}).items() if k.split("-")[0] not in families}
-    payloads = {}
+    tables = {k: v for k, v in old.get("tables", {}).items() if k.split("-")[0] not in results}
     for family, runs in results.items():
-        figures.update(headline_figures(family, runs))
-        payloads[family] = {run_id.replace(":", "-s"): compact_run(run) for run_id, run in runs.items()}
         summary = summaries[family]
         columns = list(summary["table"][0])
         tables[family] = {"columns": columns, "rows": [[row[c] for c in columns] for row in summary["table"]]}
         if summary.get("steps_vs_sft", {}).get("rows"):
             tables[f"{family}-steps-vs-sft"] = summary["steps_vs_sft"]
         tables[f"{family}-steps"] = step_table([r for r in runs.values() if r["algorithm"] != "sft"])
-    per_question = write_per_question(name, payloads, split=args.split)
-    tables.update(protocol_tables(per_question))
+    write_per_question(name, {family: family_payload(list(runs.values())) for family, runs in results.items()})
+    per_question = read_per_question(name)
+    figures: dict[str, Any] = headline_figures(per_question)
+    tables.update(protocol_tables(per_question, Design()))
     figures["bench_wall_min"] = bench_wall_min(root, name)
-    policies = ", ".join(f"`{f}`: SFT {{{f}_sft:.3f}} -> " + ", ".join(
-        f"{a.upper()} {{{f}_{a}:.3f}}" for a in args.algos.split(",") if f"{f}_{a}" in figures)
-        for f in sorted({k.split("_")[0] for k in figures if k.endswith("_sft")}))
+    families = sorted({k.split("_")[0] for k in figures if k.endswith("_sft")})
+    policies = "; ".join(f"`{f}`: SFT {{{f}_sft:.3f}} -> " + ", ".join(
+        f"{a.upper()} {{{f}_{a}:.3f}}" for a in args.algos.split(",") if f"{f}_{a}" in figures) for f in families)
     split = "validation split (rl_valid)" if args.split == "rl_valid" else "held-out test split"
-    write_result(name, figures, provenance=provenance,
-                 summary=f"accuracy on the {split}" + (f" ({args.tag}: {' '.join(args.override)})" if args.tag
-                                                       else "") + ", " + policies + "; {bench_wall_min:.0f} min wall",
-                 what="does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, the protocol's "
-                      "endpoints" + (f"; variant {args.tag}" if args.tag else ""),
-                 command="bench/bench_learning.py",  # a variant's --split, --tag and -o overrides: conditions
-                 details="#learning-bench-protocol",
-                 conditions={"families": sorted({k.split("_")[0] for k in figures if k.endswith("_sft")}),
-                             "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
-                             "control_seeds": [s for s in args.control_seeds.split(",") if s],
-                             "split": args.split, "steps": args.steps, "questions": args.questions,
-                             "samples": args.samples, "temperature": args.temperature, "backend": args.backend,
-                             "jobs": args.jobs, "tag": args.tag, "overrides": args.override,
-                             "per_question": f"bench/results/per-question/{name}.json"},
-                 tables=tables)
+    variant = f" ({args.tag}: {' '.join(args.override)})" if args.tag else ""
+    return {"name": name, "figures": figures,
+            "summary": f"accuracy on the {split}{variant}, {policies}; {{bench_wall_min:.0f}} min wall",
+            "what": "does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, the protocol's "
+                    "endpoints" + (f"; variant {args.tag}" if args.tag else ""),
+            "details": "#learning-bench-protocol",
+            "conditions": {"families": families, "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
+                           "control_seeds": [s for s in args.control_seeds.split(",") if s], "split": args.split,
+                           "steps": args.steps, "questions": args.questions, "samples": args.samples,
+                           "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs,
+                           "tag": args.tag, "overrides": args.override,
+                           "per_question": f"bench/results/per-question/{name}.json"},
+            "tables": tables}
