@@ -289,7 +289,56 @@ def _symlink(link: Path, target: Path) -> None:
 collect_ignore_glob = [] if importlib.util.find_spec("verl") else ["verl/*"]
 
 
-CI_BUDGET_MIN = 40  # .ci/run, install included, on the 2-core box (CONTRIBUTING.md, Tests)
+CI_BUDGET_MIN = 32  # .ci/run from a clean clone, install included, on a quiet 2-core box (CONTRIBUTING.md, Tests)
+
+# The lane guard (issue 45): at the end of the run, each heavy module's share of the two lanes' time, so a module that
+# grows, or a new end-to-end one, shows in every CI log (docs/testing.md, "Coverage of the heavy modules"). Heavy: the
+# longest modules, and test_eval_infer.py, whose first test's set-up starts the vLLM group's server; any other module
+# over LANE_MIN_SHARE of the time is shown as well.
+HEAVY_MODULES = (*LONGEST_FIRST, "test_eval_infer.py")
+LANE_MIN_SHARE = 0.02
+_LANE_RECORDS: list[tuple[str, str, float]] = []  # (module, lane, seconds): one per set-up / call / teardown report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Record each phase's duration on the controller: under xdist the workers' reports arrive here with their
+    `worker_id` (gw0, gw1); a run without workers is one lane, "main"."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    node = getattr(report, "node", None)
+    lane = getattr(report, "worker_id", None) or getattr(getattr(node, "gateway", None), "id", None) or "main"
+    _LANE_RECORDS.append((report.nodeid.split("::", 1)[0], lane, report.duration))
+
+
+def lane_time_lines(records: list[tuple[str, str, float]], heavy: tuple[str, ...] = HEAVY_MODULES,
+                    min_share: float = LANE_MIN_SHARE) -> list[str]:
+    """The summary's `[lanes]` lines from (module path, lane, seconds) records: the test time summed over all lanes
+    and per lane; then, longest first, each module whose file name is in `heavy` or whose share of that time is at
+    least `min_share`: its seconds, its share and its seconds per lane; then the rest in one line."""
+    total = sum(seconds for _, _, seconds in records)
+    if total <= 0:
+        return []
+    lanes: dict[str, float] = {}
+    modules: dict[str, dict[str, float]] = {}
+    for module, lane, seconds in records:
+        lanes[lane] = lanes.get(lane, 0.0) + seconds
+        per_lane = modules.setdefault(module, {})
+        per_lane[lane] = per_lane.get(lane, 0.0) + seconds
+    per_lane_total = ", ".join(f"{lane} {seconds:.0f} s" for lane, seconds in sorted(lanes.items()))
+    lines = [f"[lanes] {total:.0f} s of test time (set-up + call + teardown) over {len(lanes)} "
+             f"lane{'s' if len(lanes) > 1 else ''}: {per_lane_total}"]
+    rest, rest_n = 0.0, 0
+    for module, per_lane in sorted(modules.items(), key=lambda item: (-sum(item[1].values()), item[0])):
+        seconds = sum(per_lane.values())
+        if module.rsplit("/", 1)[-1] in heavy or seconds / total >= min_share:
+            where = " + ".join(f"{lane} {s:.0f} s" for lane, s in sorted(per_lane.items()))
+            lines.append(f"[lanes] {module}: {seconds:.0f} s, {100 * seconds / total:.1f}% ({where})")
+        else:
+            rest, rest_n = rest + seconds, rest_n + 1
+    if rest_n:
+        lines.append(f"[lanes] the other {rest_n} module{'s' if rest_n > 1 else ''}: {rest:.0f} s, "
+                     f"{100 * rest / total:.1f}%")
+    return lines
 
 
 _DISK: dict[str, float] = {}  # free space under the temp folder: at the start, and the lowest seen (bytes)
@@ -321,12 +370,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """The lowest free disk space during the run; under .ci/run, the whole run's wall time so far (install
-    included), against the CI budget."""
+    """Each heavy module's share of the lanes' time; the lowest free disk space during the run; under .ci/run, the
+    whole run's wall time so far (install included), against the CI budget."""
     import time
 
     if hasattr(config, "workerinput"):
         return
+    for line in lane_time_lines(_LANE_RECORDS):
+        terminalreporter.write_line(line)
     if _DISK:
         terminalreporter.write_line(f"[disk] free under the temp folder: {_DISK['start'] / 2**30:.1f} GiB at the "
                                     f"start, {_DISK['lowest'] / 2**30:.1f} GiB at the lowest (the suite used up to "
