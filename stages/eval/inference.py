@@ -4,7 +4,8 @@
 the predictions contract (docs/eval.md). Finished samples are appended to `predictions.partial.jsonl` one
 line at a time (flushed and fsynced), so a rerun after a crash runs only the missing (id, sample) pairs;
 the final file is written atomically once every pair is done. Samples that could not reach the server
-are not written, and the stage then fails naming how many, so the next run retries exactly those.
+are not written, and the stage then fails naming how many, so the next run retries exactly those. Its
+summary.json records what produced the predictions (`provenance`: stages/eval/provenance.py), for the report.
 
 A sample whose tool calls hit an infrastructure failure (the search provider, retrieval server or sandbox failed:
 `ToolResult.fault == "infra"`) is not the model's answer: its row says so (`infra_failures`, `infra_errors`), the
@@ -32,6 +33,7 @@ from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.core.reporter import track
 from stages.core.workspace import stage_dir
 from stages.eval.agent_loop import LoopSettings, SampleState, run_sample
+from stages.eval.provenance import inference_record
 from stages.eval.rows import PredictionRow
 from stages.eval.search_mode import benchmark_search, check_summarizer, keyed_agent, search_mode, summarizer_search
 
@@ -147,8 +149,10 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
                                            summarizer))
         write_jsonl(final, [row.model_dump() for row in rows])
         (out.path / PARTIAL).unlink(missing_ok=True)
-        summary = summarize(rows, ran, time.monotonic() - started, loaded, endpoint,
-                            search_mode(benchmark_agent(cfg, agent, benchmark).search))
+        search = benchmark_agent(cfg, agent, benchmark).search
+        summary = summarize(rows, ran, time.monotonic() - started, loaded, endpoint, search_mode(search))
+        summary["provenance"] = inference_record(cfg, search, summary["search_mode"], model, endpoint,
+                                                 sampling_extras(cfg, endpoint))  # for the report's block
         write_json(out.path / "summary.json", summary)
         if summary["infra_failed"]:
             log.warning("%s: %d of %d answers hit a tool infrastructure failure (e.g. %s); they are left out of the "
@@ -159,7 +163,7 @@ def run_inference(cfg: EvalSection, agent: AgentSection, benchmark: str, model: 
     return PredictionsRef(path=str(final), fingerprint=out.fingerprint, benchmark=benchmark,
                           meta={k: summary.get(k, 0) for k in ("rows", "items", "samples", "benchmark_hash", "model",
                                                                "timed_out", "errors", "infra_failed")}
-                          | {"search_mode": summary.get("search_mode")})
+                          | {"search_mode": summary.get("search_mode"), "provenance": summary.get("provenance")})
 
 
 def reopen_infra_failed(folder: Path) -> int:

@@ -9,7 +9,8 @@ musings do not count); the reply says correct iff it contains "correct" and none
 Calls go through the official `openai` client, retried with exponential backoff (tenacity); a call that still
 fails falls back to the rule verdict and is recorded as an error (never cached). Verdicts are cached in SQLite
 under the cache root, keyed by (question, golds, prediction, judge model identity, prompt hash), so a re-score
-makes no judge calls.
+makes no judge calls. Each verdict keeps the `model` field of the judge's response (the OpenAI API's: the model id
+that answered, e.g. the dated revision behind an API alias), cached with it: the report says which judge answered.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Verdict:
     reply: str
     cached: bool
     error: str | None = None
+    model: str | None = None  # the response's `model` field: who answered (None: not recorded, or no answer)
 
 
 class VerdictCache(SQLiteStore):
@@ -89,12 +91,13 @@ class VerdictCache(SQLiteStore):
     def key(request: JudgeRequest, identity: str, prompt_hash: str = PROMPT_HASH) -> str:
         return store_key(request.question, list(request.golds), request.prediction, identity, prompt_hash)
 
-    def verdict(self, key: str) -> tuple[str, bool] | None:
+    def verdict(self, key: str) -> tuple[str, bool, str | None] | None:
+        """(reply, says correct, the model id that answered: None in a verdict cached before it was kept)."""
         hit = self.get(key)
-        return None if hit is None else (hit["reply"], bool(hit["correct"]))
+        return None if hit is None else (hit["reply"], bool(hit["correct"]), hit.get("model"))
 
-    def record(self, key: str, identity: str, reply: str, correct: bool) -> None:
-        self.put(key, {"reply": reply, "correct": correct}, note=identity)
+    def record(self, key: str, identity: str, reply: str, correct: bool, model: str | None = None) -> None:
+        self.put(key, {"reply": reply, "correct": correct, "model": model}, note=identity)
 
 
 class Judge:
@@ -142,19 +145,20 @@ class Judge:
         key = VerdictCache.key(request, self.identity)
         hit = self.cache.verdict(key)
         if hit is not None:
-            return Verdict(says_correct=hit[1], reply=hit[0], cached=True)
+            return Verdict(says_correct=hit[1], reply=hit[0], cached=True, model=hit[2])
         try:
-            reply = await self._ask(client, format_prompt(request.question, request.golds, request.prediction))
+            reply, model = await self._ask(client, format_prompt(request.question, request.golds, request.prediction))
         except Exception as err:  # noqa: BLE001 - after retries: the rule decides, nothing is cached
             message = f"{type(err).__name__}: {err}"
             log.warning("judge call failed after %d attempts (%s); using the rule verdict", self.cfg.max_retries,
                         message[:200])
             return Verdict(says_correct=None, reply="", cached=False, error=message)
         correct = reply_says_correct(reply)
-        self.cache.record(key, self.identity, reply, correct)
-        return Verdict(says_correct=correct, reply=reply, cached=False)
+        self.cache.record(key, self.identity, reply, correct, model)
+        return Verdict(says_correct=correct, reply=reply, cached=False, model=model)
 
-    async def _ask(self, client, prompt: str) -> str:
+    async def _ask(self, client, prompt: str) -> tuple[str, str | None]:
+        """(the reply, the response's `model` field)."""
         import openai
         from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
@@ -173,5 +177,5 @@ class Judge:
                 content = response.choices[0].message.content if response.choices else None
                 if content is None:
                     raise ValueError("judge returned no message content")
-                return content
+                return content, getattr(response, "model", None) or None
         raise AssertionError("unreachable: tenacity re-raises the last error")

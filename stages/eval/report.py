@@ -11,7 +11,9 @@ language; stages/eval/search_mode.py), beside the published numbers. A published
 (other metric)`. The judge's own figure (`llm_equal`) and its agreement with the rules sit next to the headline.
 `provider failures` counts the answers whose tool calls hit an infrastructure failure (search provider, retrieval
 server, sandbox): they are left out of the metrics with the rest of their question's samples, listed under their
-own heading, and retried by the next run."""
+own heading, and retried by the next run. At the top, the provenance block says what produced the numbers (policy,
+commits, judge as served, search, sampling, seeds, dates), read from the stages' records; `provenance.csv` holds
+it per benchmark (stages/eval/report_provenance.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from stages.core.atomic import write_text
 from stages.core.codeversion import code_version
 from stages.core.config.eval import EvalSection
 from stages.core.fingerprint import hash_path, hash_value
+from stages.core.provenance import git_state, utc_now
 from stages.core.refs import Ref, ScoresRef
 from stages.core.workspace import stage_dir
+from stages.eval.report_provenance import PROVENANCE_CSV, provenance_rows, render_provenance
 
 if TYPE_CHECKING:  # pandas is imported where a table is built: computing the key (a cached run) needs none
     import pandas as pd
@@ -137,8 +141,10 @@ def _published(reference: pd.DataFrame, summary: dict[str, Any], setting: str | 
     return same, {"paper (other metric)": "; ".join(other) or None}
 
 
-def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: float) -> str:
-    """The headline columns (the CSV has every column); published numbers in a second table with sources."""
+def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: float,
+                    provenance: list[str] | None = None) -> str:
+    """The provenance block (`render_provenance`'s lines), the headline columns (the CSV has every column);
+    published numbers in a second table with sources."""
     keep = [c for c in table.columns if c in _HEADLINE or c.startswith(("pass@", "paper "))]
     shown = table[keep].round(2).astype(object).where(table[keep].notna(), None)  # missing -> "-"
     benchmarks = set(table["benchmark"])
@@ -155,7 +161,8 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
               f"reference's evaluation scripts run with browse+summary (completion_sds; docs/reference.md, "
               f"\"Deep-search browsing\"). Intervals are "
               f"{confidence:.0%} bootstrap intervals over questions.")
-    lines = ["# Evaluation report", "", legend, "", shown.to_markdown(index=False, missingval="-"), ""]
+    lines = ["# Evaluation report", "", *(provenance or []), legend, "", shown.to_markdown(index=False,
+                                                                                          missingval="-"), ""]
     if not cited.empty:
         lines += ["## Published numbers (reference work)", "", cited.to_markdown(index=False), ""]
     return "\n".join(lines)
@@ -229,10 +236,14 @@ def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | P
 
         table = pd.DataFrame(rows)
         write_text(out.path / "report.csv", table.to_csv(index=False))
-        markdown = render_markdown(table, reference, cfg.confidence)
+        provenance = provenance_rows([s.meta for s in scores], {**git_state(), "date": utc_now()},
+                                     cfg.bootstrap_seed)
+        write_text(out.path / PROVENANCE_CSV, pd.DataFrame(provenance).to_csv(index=False))
+        markdown = render_markdown(table, reference, cfg.confidence, render_provenance(provenance))
         write_text(out.path / "report.md", "\n".join([markdown, *render_infra([s.meta for s in scores]),
                                                       *render_gains(gains or {}, cfg.confidence)]))
         out.finish()
     return Ref(path=str(out.path), fingerprint=out.fingerprint,
-               meta={"csv": str(out.path / "report.csv"), "markdown": str(out.path / "report.md"), "rows": rows,
+               meta={"csv": str(out.path / "report.csv"), "markdown": str(out.path / "report.md"),
+                     "provenance": str(out.path / PROVENANCE_CSV), "rows": rows,
                      "stage_gains": stage_gain_rows(gains or {})})

@@ -75,6 +75,7 @@ class ScoredSample(BaseModel):
     judge_reply: str | None = None
     judge_cached: bool | None = None
     judge_error: str | None = None
+    judge_model: str | None = None  # the judge response's `model` field (the id that answered)
     llm_equal: float | None = None
     score: float = 0.0
     correct: float = 0.0

@@ -8,7 +8,9 @@ all n samples of a question), and the summary lists them (`infra_failed_answers`
 `infra_failed`); the next run retries those samples. The key hashes the scoring-relevant config, the predictions
 fingerprint, the judge's identity (model name + weights fingerprint, never its URL), the judge prompt hash and the
 code version. Judge verdicts are cached in `<cache_root>/judge_cache.sqlite`, so a crashed or forced re-score
-repeats no judge call.
+repeats no judge call. The summary carries what produced the numbers, for the report's provenance block: the
+inference stage's record (`inference`), the judge as served and the model ids that answered (`judge_served`,
+stages/eval/provenance.py) and when and at which commit the scoring ran (`scored`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from stages.core.env import free_cpu_threads
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.passk import summarize
+from stages.core.provenance import git_state, utc_now
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import stage_dir
 from stages.eval.benchmarks import headline_metric
 from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict
+from stages.eval.provenance import judge_record
 from stages.eval.rows import PredictionRow, ScoredSample
 from stages.eval.sample_metrics import (
     MathVerifier,
@@ -74,7 +78,11 @@ def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRe
                                 headline_metric(preds.benchmark))
         summary = summarize_benchmark(cfg, samples, judged, headline_metric(preds.benchmark))
         summary |= {"judge": judge.identity if judged else None, "predictions": str(predictions_file(preds)),
-                    "search_mode": preds.meta.get("search_mode")}  # how the answers searched, for the report
+                    "search_mode": preds.meta.get("search_mode"),  # how the answers searched, for the report
+                    "inference": preds.meta.get("provenance"),  # what produced the predictions (the report's block)
+                    "judge_served": judge_record(judge if judged else None,
+                                                 [s.judge_model for s in samples if s.judge_says_correct is not None]),
+                    "scored": {**git_state(), "date": utc_now()}}
         write_jsonl(out.path / "samples.jsonl", [sample.model_dump() for sample in samples])
         write_json(out.path / "summary.json", summary)
         out.finish()
@@ -159,7 +167,7 @@ def _apply_judge(cfg: EvalSection, rows: list[PredictionRow], scored: list[Score
              sum(v.cached for v in answers), client.calls)
     for sample, verdict in zip(scored, verdicts):
         sample.judge_says_correct, sample.judge_reply = verdict.says_correct, verdict.reply
-        sample.judge_cached, sample.judge_error = verdict.cached, verdict.error
+        sample.judge_cached, sample.judge_error, sample.judge_model = verdict.cached, verdict.error, verdict.model
         # the reference: correct iff rule-equivalent OR the judge says so (rule alone when it failed)
         sample.llm_equal = float(bool(sample.rule_equiv) or bool(verdict.says_correct))
 

@@ -20,11 +20,12 @@ class FakeJudgeServer:
     """A small OpenAI-compatible chat server: says "Correct" when the predicted answer contains a golden answer.
 
     `fail_first` requests get HTTP 503 (to exercise retries); `requests` counts every chat call received;
-    `latency_s` makes each answer take that long (a stand-in for a real judge, used by bench/).
+    `latency_s` makes each answer take that long (a stand-in for a real judge, used by bench/); `answer_model` is
+    the `model` its responses name (default: the one asked for), as an API names the revision behind an alias.
     """
 
     def __init__(self, fail_first: int = 0, reply_template: str = "<judgment>{verdict}</judgment>",
-                 latency_s: float = 0.0) -> None:
+                 latency_s: float = 0.0, answer_model: str | None = None) -> None:
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse
 
@@ -48,7 +49,7 @@ class FakeJudgeServer:
             golds = ast.literal_eval(gold) if gold.startswith("[") else [gold]  # our own repr of a list
             verdict = "Correct" if any(g.lower() in pred.lower() for g in golds) else "Incorrect"
             return {"id": f"chat-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
-                    "model": body["model"], "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "model": answer_model or body["model"], "choices": [{"index": 0, "finish_reason": "stop", "message": {
                         "role": "assistant", "content": reply_template.format(verdict=verdict)}}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
@@ -145,6 +146,27 @@ def test_judge_against_a_loopback_server_then_cache(tmp_path):
         other_model.judge_many(requests[:1])
         assert len(server.requests) == 4  # new weights, new verdict
         other_model.cache.close()
+
+
+def test_each_verdict_keeps_the_model_id_that_answered_cached_too(tmp_path):
+    from stages.eval.provenance import judge_record
+
+    requests = [JudgeRequest("q", ("42",), "42"), JudgeRequest("q", ("42",), "41")]
+    with FakeJudgeServer(answer_model="judge-2024-08-06") as server:  # asked for "fake-judge", answered as this
+        judge = Judge(server.endpoint(), JudgeSection(), tmp_path / "judge.sqlite")
+        fresh = judge.judge_many(requests)
+        judge.cache.close()
+        again = Judge(server.endpoint(), JudgeSection(), tmp_path / "judge.sqlite")
+        cached = again.judge_many(requests)
+        again.cache.close()
+    assert [(v.model, v.cached) for v in fresh] == [("judge-2024-08-06", False)] * 2
+    assert [(v.model, v.cached) for v in cached] == [("judge-2024-08-06", True)] * 2
+    endpoint = server.endpoint().model_copy(update={"meta": {"backend": "external"}})
+    # two answered verdicts and one cached before the id was kept (None)
+    assert judge_record(endpoint, [v.model for v in fresh] + [None]) == {
+        "name": "fake-judge", "path": None, "fingerprint": "w1", "backend": "external", "shared_with": None,
+        "answered_as": {"judge-2024-08-06": 2, "not recorded": 1}}
+    assert judge_record(None, []) is None
 
 
 def test_judge_retries_then_succeeds(tmp_path):
