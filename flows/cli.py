@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--card", action="store_true",
                         help="show the RL algorithm card instead: each mechanism, this run vs the reference code (and the "
                              "rest of the published recipe where one is on file: stages/core/recipes.py)")
+    config.add_argument("--diff", action="store_true",
+                        help="show only what the profile (and -o) changes: each key that differs from the defaults, "
+                             "its default and where the value comes from (the profile, one it extends, -o, or "
+                             "implied by another key), then any key the profile restates")
     _config_args(config)
     config.set_defaults(handler=cmd_config)
 
@@ -123,6 +127,11 @@ def cmd_config(args: argparse.Namespace) -> int:
         recipe = recipe_for(cfg.rl.reference_setting)   # the rest of a published recipe (SFT, DPO, evaluation)
         if recipe is not None:
             print(recipe_markdown(cfg, recipe))
+        return 0
+    if args.diff:
+        from stages.core.config.profile_diff import diff_text
+
+        print(diff_text(args.profile, args.override))
         return 0
     print(to_yaml(cfg) if args.action == "show" else f"ok: profile {cfg.profile} is valid")
     return 0

@@ -22,6 +22,7 @@ from stages.core.config.loader import (
     read_yaml,
 )
 from stages.core.config.names import registry_fields
+from stages.core.config.profile_diff import restated_keys
 from stages.core.registry import find_registry, registry_kinds
 
 
@@ -35,26 +36,50 @@ def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def _resolved(data: dict, key: str) -> object:
-    for part in key.split("."):
-        data = data[part]
-    return data
-
-
 def test_there_is_no_second_home_for_defaults() -> None:
     assert not (CONFIG_DIR / "base.yaml").exists()
     assert RunConfig().run.name == "run"  # the value base.yaml used to disagree on
 
 
-def test_an_extending_profile_states_only_what_differs_from_its_parent() -> None:
-    for name in profile_names():
-        own = read_yaml(CONFIG_DIR / "profiles" / f"{name}.yaml")
-        parent = own.pop("extends", None)
-        if parent is None:
-            continue
-        inherited = load_config(parent).model_dump(mode="json")
-        same = [key for key, value in _leaves(own).items() if _resolved(inherited, key) == value]
-        assert not same, f"{name} restates what {parent} already sets: {same}"
+@pytest.mark.parametrize("name", profile_names())
+def test_no_profile_restates_a_default_or_what_it_extends(name: str) -> None:
+    restated = restated_keys(name)
+    assert not restated, (f"configs/profiles/{name}.yaml restates {restated}: each has the value it would have "
+                          "without the key (the model default, what rl.algorithm implies, or what `extends` gives); "
+                          "remove them (`arpo config show --diff` lists what the profile changes)")
+
+
+def test_a_restated_key_is_found_whether_default_implied_or_inherited(tmp_path: Path) -> None:
+    _write(tmp_path, "base", "rl:\n  rollout: {n: 8, initial_rollouts: 4}\n")
+    # by hand: rl.optim.lr 1e-6 is OptimSection's default; branch_penalty 0.05 is what algorithm aepo implies
+    # (stages/core/algorithm_spec.py); rollout.n 8 is base's; initial_rollouts 2 and the algorithm change something
+    _write(tmp_path, "leaf", "extends: base\nrl:\n  algorithm: aepo\n  optim: {lr: 1.0e-6}\n"
+                             "  rollout: {n: 8, initial_rollouts: 2, branch_penalty: 0.05}\n")
+    assert restated_keys("leaf", tmp_path) == ["rl.optim.lr", "rl.rollout.n", "rl.rollout.branch_penalty"]
+    assert restated_keys("base", tmp_path) == []
+
+
+def test_config_show_diff_prints_what_a_profile_changes(tmp_path: Path, capsys) -> None:
+    from flows.cli import main
+
+    _write(tmp_path, "base", "run: {name: base-run}\nrl:\n  rollout: {n: 8, initial_rollouts: 4}\n")
+    _write(tmp_path, "leaf", "extends: base.yaml\nrl:\n  algorithm: aepo\n  optim: {lr: 1.0e-6}\n")
+    assert main(["config", "show", "--diff", "-p", str(tmp_path / "profiles" / "leaf.yaml"),
+                 "-o", "rl.rollout.call_limit=2"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
+    # by hand: base's name and rollout sizes, leaf's algorithm, the override, and what aepo implies (the branch
+    # penalty, the balanced-clip loss, the entropy-aware advantage); lr equals its default, so it is no change
+    assert set(rows) == {"run.name", "rl.rollout.n", "rl.rollout.initial_rollouts", "rl.algorithm",
+                         "rl.rollout.call_limit", "rl.rollout.branch_penalty", "rl.loss.policy_loss",
+                         "rl.advantage.entropy_aware"}
+    assert rows["rl.rollout.n"].split()[1:] == ["8", "(default", "16;", "extends", "base)"]
+    assert rows["rl.algorithm"].endswith("(default arpo; profile)")
+    assert rows["rl.rollout.call_limit"].endswith("(default 3; -o)")
+    assert rows["rl.loss.policy_loss"].endswith("(default ppo_dual_clip; implied)")
+    main(["config", "show", "--diff", "-p", "aepo-qwen3-14b-deepsearch"])
+    out = capsys.readouterr().out
+    assert out.startswith("# aepo-qwen3-14b-deepsearch: ") and "restated" not in out
+    assert "rl.rollout.n  " in out and "(default 16; extends arpo-qwen3-14b-deepsearch)" in out
 
 
 def test_aepo_deepsearch_is_the_arpo_deepsearch_run_with_the_algorithm_switched() -> None:
