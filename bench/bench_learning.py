@@ -65,7 +65,7 @@ STEP_KEYS = ("step", "reward/mean", "accuracy", "entropy/mean", "tools/calls_per
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
-    parser.add_argument("--algos", default=",".join(ALGOS))
+    parser.add_argument("--algos", default=",".join(ALGOS), help="RL algorithms; empty: SFT's evaluations only")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: learning.yaml)")
     parser.add_argument("--split", choices=SPLITS, default="eval_test",
@@ -159,18 +159,24 @@ def prepare(cfg, root: Path):
     return model, data, run_sft(cfg.sft, cfg.agent, model, data, str(root), cache)
 
 
-def result_path(root: Path, job: str, tag: str = "", split: str = "eval_test") -> Path:
-    """results/<family>[-valid][@<tag>]/<run>-s<seed>.json: SFT's files are shared by every tag, the SFT policy's
-    per-step rewards (sftsteps, on training prompts) by both splits too."""
+def result_path(root: Path, job: str, tag: str = "", split: str = "eval_test", own_sft: bool = False) -> Path:
+    """results/<family>[-valid][@<tag>]/<run>-s<seed>.json: SFT's files are shared by every tag that changes RL
+    settings only (`own_sft`: the tag changes SFT, data or the agent, so it has its own), the SFT policy's per-step
+    rewards (sftsteps, on training prompts) by both splits too."""
     family, _, run = job.partition("/")
     kind = run.partition(":")[0]
     folder = family + ("-valid" if split == "rl_valid" and kind != "sftsteps" else "")
-    folder += f"@{tag}" if tag and kind not in SHARED_RUNS else ""
+    folder += f"@{tag}" if tag and (own_sft or kind not in SHARED_RUNS) else ""
     return root / "results" / folder / f"{run.replace(':', '-s')}.json"
 
 
+def changes_sft(args: argparse.Namespace) -> bool:
+    """Does an override reach what the SFT policy or its evaluation depends on (not the RL sections alone)?"""
+    return any(o.partition("=")[0].split(".")[0] in ("sft", "data", "model", "agent") for o in args.override)
+
+
 def out_path(args: argparse.Namespace, job: str) -> Path:
-    return result_path(Path(args.root), job, args.tag, args.split)
+    return result_path(Path(args.root), job, args.tag, args.split, changes_sft(args))
 
 
 # ---- one run (a worker process) ------------------------------------------------------------------------------
@@ -358,7 +364,7 @@ def job_lists(args: argparse.Namespace, families: list[str]) -> tuple[list[str],
     seeds = args.seeds.split(",")
     controls = [s for s in args.control_seeds.split(",") if s]
     jobs = [f"{f}/sft:{s}" for s in seeds for f in families]
-    jobs += [f"{f}/{a}:{s}" for s in seeds for f in families for a in args.algos.split(",")]
+    jobs += [f"{f}/{a}:{s}" for s in seeds for f in families for a in args.algos.split(",") if a]
     jobs += [f"{f}/{CONTROL}:{s}" for s in controls for f in families]
     baselines = [] if args.no_sft_steps else [f"{f}/sftsteps:{s}" for s in seeds for f in families]
     return jobs, baselines

@@ -67,6 +67,12 @@ def test_results_live_apart_per_split_and_tag_with_sft_shared_by_tags(tmp_path: 
     assert path(tmp_path, "arith/grpo:1", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid@lr1e-5/grpo-s1.json"
     assert path(tmp_path, "arith/sft:0", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid/sft-s0.json"
     assert path(tmp_path, "arith/sftsteps:0", "x", "rl_valid") == tmp_path / "results/arith/sftsteps-s0.json"
+    # a tag that changes SFT has SFT evaluations of its own
+    assert path(tmp_path, "arith/sft:0", "sft48", "rl_valid", True) == tmp_path / "results/arith-valid@sft48/sft-s0.json"
+    changes = bench.parse_args(["-o", "sft.max_steps=48", "-o", "rl.optim.lr=1e-5"])
+    assert bench.changes_sft(changes) and not bench.changes_sft(bench.parse_args(["-o", "rl.optim.lr=1e-5"]))
+    assert bench.job_lists(bench.parse_args(["--algos", "", "--seeds", "0", "--control-seeds", ""]),
+                           ["arith"])[0] == ["arith/sft:0"]
 
 
 def test_two_level_interval_holds_the_seed_spread() -> None:
