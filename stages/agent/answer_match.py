@@ -10,7 +10,8 @@
   (`stages.agent.math_screen`: length, nesting, power towers, huge factorials, TeX that does I/O) and then scored
   in a persistent worker subprocess that is killed and replaced when it overruns (`stages.agent.math_worker`):
   a hostile answer costs at most the bound and scores as not equal. Verdicts are cached per process (an RL
-  group often repeats one answer). `math_equivalent_local` is the in-process scorer the workers run.
+  group often repeats one answer). `math_equivalent_local` scores in this process with the scorer the workers
+  run (`stages.agent.math_local`, below both modules).
   An escaped dollar `\\$` is a currency sign, not a math delimiter: it is dropped first (as the reference's
   `strip_string` does), so MATH500 golds such as `\\$18.90` can be matched.
 - `unwrap_text`: `\\text{Frank Lowy}` -> `Frank Lowy` (also \\textbf, \\textit, \\textrm, \\mathrm, \\mbox),
@@ -20,23 +21,19 @@
 from __future__ import annotations
 
 import ast
-import logging
 import re
-import signal
 import string
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from stages.agent.math_local import equivalent_here, refused, screened_golds
 from stages.agent.math_screen import MAX_MATH_CHARS as MAX_MATH_CHARS  # re-exported: callers size inputs by it
-from stages.agent.math_screen import screen_math
+from stages.agent.math_worker import worker_equivalent
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 _SPECIAL = ("yes", "no", "noanswer")
-_LATEX_DELIMS = ("$", "\\(", "\\[", "\\boxed")
 
 
 def normalize_answer(text: Any) -> str:
@@ -139,18 +136,12 @@ def unwrap_text(text: str) -> str:
     return "".join(out) + text[last:]
 
 
-def _latex(text: str) -> str:
-    # `\$` is an escaped dollar (currency), not a math delimiter; math-verify would read it as one and parse nothing
-    text = text.replace("\\$", "").strip()
-    return text if any(d in text for d in _LATEX_DELIMS) else f"${text}$"
-
-
 def _screened(pred: Any, gold: Any) -> tuple[str, list[str]] | None:
     """(prediction, golds) when the prediction passes the pre-screen, else None (scores as not equal). Golds
     the screen refuses are left out: no parse of them could end in time either."""
-    if pred is None or not str(pred).strip() or screen_math(str(pred)) is not None:
+    if refused(pred):
         return None
-    golds = [g for g in parse_gold(gold) if screen_math(g) is None]
+    golds = screened_golds(parse_gold(gold))
     return (str(pred), golds) if golds else None
 
 
@@ -164,67 +155,11 @@ def math_equivalent(pred: str | None, gold: Any, timeout_s: float = 5.0) -> bool
     texts = _screened(pred, gold)
     if texts is None:
         return False
-    from stages.agent.math_worker import worker_equivalent
-
     return worker_equivalent(texts[0], tuple(texts[1]), float(timeout_s))
 
 
-class _Deadline:
-    """`with _Deadline(s):` raises math-verify's TimeoutException after `s` seconds, then every 0.1 s until the
-    block ends (sympy may catch one), when entered on the main thread; elsewhere it does nothing.
-
-    math-verify's own timeouts are `signal.alarm` in whole seconds per parse/verify and cancel any outer alarm,
-    so they are switched off and this one timer bounds the whole answer instead."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.armed = threading.current_thread() is threading.main_thread()
-
-    def __enter__(self) -> _Deadline:
-        if self.armed:
-            from math_verify.errors import TimeoutException
-
-            def expire(signum: int, frame: object) -> None:
-                if self.active:  # a late tick after __exit__ began must not escape the block
-                    raise TimeoutException(f"math-verify ran past {self.seconds:g} s")
-
-            self.active, self.start = True, time.monotonic()
-            self.previous = signal.signal(signal.SIGALRM, expire)
-            # an outer timer (pytest-timeout, a caller's alarm) is put back, less the time spent, on exit
-            self.outer = signal.setitimer(signal.ITIMER_REAL, max(self.seconds, 0.01), 0.1)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.armed:
-            self.active = False
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
-            delay, interval = self.outer
-            if delay > 0:
-                signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - self.start), 0.001), interval)
-
-
 def math_equivalent_local(pred: str | None, gold: Any, timeout_s: float = 5.0) -> bool:
-    """math-verify in this process: screened, with a soft time limit on the main thread (`_Deadline`) and none
-    elsewhere. A C-level computation (a huge integer power) does not see the signal: only callers that can kill
-    the process (the scoring workers, the eval pool) should call this directly. Timeouts and errors are False."""
-    texts = _screened(pred, gold)
-    if texts is None:
-        return False
-    from math_verify import parse, verify
-    from math_verify.errors import TimeoutException
-
-    # "timeout is disabled" is math-verify's warning about the timeouts _Deadline replaces
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    try:
-        with _Deadline(timeout_s):
-            target = parse(_latex(texts[0]), parsing_timeout=None)
-            if not target:
-                return False
-            for g in texts[1]:
-                parsed = parse(_latex(g), parsing_timeout=None)
-                if parsed and verify(parsed, target, timeout_seconds=None):
-                    return True
-    except (TimeoutException, RecursionError, ValueError, TypeError, OverflowError, MemoryError):
-        return False
-    return False
+    """math-verify in this process (stages.agent.math_local): screened, with a soft time limit on the main thread
+    and none elsewhere. A C-level computation (a huge integer power) does not see the signal: only callers that
+    can kill the process (the eval pool) should call this. Timeouts and errors are False."""
+    return not refused(pred) and equivalent_here(pred, parse_gold(gold), timeout_s)

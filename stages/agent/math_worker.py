@@ -7,8 +7,8 @@ power inside sympy (`10^{10^{10}}`) runs on holding the GIL wherever it was star
 `worker_equivalent(pred, golds, timeout_s)` sends the (pre-screened) texts to an idle worker of this process's
 pool (the shared worker machinery: stages/agent/worker_pool.py) and waits `timeout_s + KILL_GRACE_S` for its
 verdict:
-- the worker scores with `answer_match.math_equivalent_local` on its main thread, whose soft `timeout_s` timer
-  ends ordinary slow answers without a restart;
+- the worker scores with `math_local.equivalent_here` (screened again) on its main thread, whose soft
+  `timeout_s` timer ends ordinary slow answers without a restart;
 - past the grace the worker is killed (SIGKILL), a replacement starts warming up at once, and the answer scores
   False; a worker that dies on an answer (memory cap: `MEMORY_LIMIT_BYTES`) is replaced the same way;
 - each request also sets the worker's own CPU-time limit (RLIMIT_CPU) just above the bound, so a worker whose
@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from stages.agent.math_local import equivalent_here
 from stages.agent.worker_pool import WorkerLost, WorkerPool, WorkerStartError
 
 KILL_GRACE_S = 1.0
@@ -101,18 +102,14 @@ def worker_equivalent(pred: str, golds: tuple[str, ...], timeout_s: float) -> bo
 
 
 def _score(request: dict[str, Any], _payload: bytes) -> dict[str, Any]:
-    from stages.agent.answer_match import math_equivalent_local
-
     try:
-        return {"equal": math_equivalent_local(request["pred"], request["golds"], request["timeout_s"])}
+        return {"equal": equivalent_here(request["pred"], request["golds"], request["timeout_s"])}
     except BaseException as err:  # noqa: BLE001 - any failure on one answer is a verdict of "not equal"
         return {"equal": False, "error": f"{type(err).__name__}: {str(err)[:200]}"}
 
 
 def _warm() -> None:
-    from stages.agent.answer_match import math_equivalent_local
-
-    math_equivalent_local("1", ["1"])  # imports and warms sympy before the first real answer
+    equivalent_here("1", ["1"])  # imports and warms sympy before the first real answer
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from stages.core.config.loader import RunConfig
 from stages.cost.basis import Measured, find_measured, read_measured
-from stages.cost.estimate import Estimate, Line, estimate
+from stages.cost.estimate import Estimate, estimate
 from stages.cost.inputs import eval_questions, train_rows
+from stages.cost.line import Line
 from stages.cost.memory import MemoryEstimate, memory_estimate
 from stages.rl.step_identity import step_identity
 

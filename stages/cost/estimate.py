@@ -15,18 +15,10 @@ from typing import Any
 from stages.core.config.loader import RunConfig
 from stages.core.engine_spec import ENGINES
 from stages.cost.basis import Measured
+from stages.cost.line import Line
+from stages.cost.summarizer import eval_summarizer_lines, summarizer_assumption, summarizer_lines
 
 ATTEMPTS = {"server": 3, "web": None}  # requests per failing search call (web: agent.search.web.retries)
-
-
-@dataclass(frozen=True)
-class Line:
-    what: str
-    per_step: float | None
-    per_run: float | None
-    basis: str                  # exact | bound | measured | given | unknown
-    error: float = 0.0          # stated relative error (measured / given); 0 for exact and bounds
-    note: str = ""
 
 
 @dataclass
@@ -71,8 +63,6 @@ def _line(what: str, bound: float, steps: int | None, measured: float | None, to
 
 def estimate(cfg: RunConfig, train_rows: int | None, measured: Measured | None = None,
              eval_questions: dict[str, int | None] | None = None) -> Estimate:
-    from stages.cost.summarizer import eval_summarizer_lines, summarizer_lines  # it builds this module's Lines
-
     ro, trainer, limits = cfg.rl.rollout, cfg.rl.trainer, cfg.agent.limits
     steps = run_steps(cfg, train_rows)
     tol = cfg.cost.tolerance
@@ -180,8 +170,6 @@ def _assumptions(cfg: RunConfig, est: Estimate, measured: Measured | None) -> li
                      "trains)")
     else:
         notes.append("no measured run found for these per-step settings: tool calls and tokens are the bounds")
-    from stages.cost.summarizer import summarizer_assumption
-
     notes += [note for note in [summarizer_assumption(cfg)] if note]
     notes.append("not estimated: SFT, merge, serving start-up, evaluation time")
     return notes

@@ -12,7 +12,7 @@ the real count sits below these lines unless the summariser fails.
 from __future__ import annotations
 
 from stages.core.config.loader import RunConfig
-from stages.cost.estimate import Line
+from stages.cost.line import Line
 
 
 def summarizer_lines(cfg: RunConfig, search_calls: Line) -> list[Line]:
