@@ -294,19 +294,24 @@ def run_pool(args: argparse.Namespace, jobs: list[str], root: Path) -> dict:
     return {"attempts": attempts, "mean_load": sum(loads) / len(loads) if loads else os.getloadavg()[0]}
 
 
-def prepare_families(args: argparse.Namespace, root: Path, families: list[str]) -> dict[str, dict]:
-    """Data and SFT of every family in this process (LLaMA-Factory lives in the main environment), timed once."""
+def prepare_families(args: argparse.Namespace, root: Path, families: list[str], build: bool = True) -> dict[str, dict]:
+    """Data and SFT of every family in this process (LLaMA-Factory lives in the main environment), timed once.
+    `build` False (every run is done: a report): nothing is built, so a report from a later commit, whose code
+    versions key the stages anew, does not train SFT again; the first preparation's times are read back."""
     import resource
 
     os.environ.setdefault("OMP_NUM_THREADS", "2")  # LLaMA-Factory's SFT gets both cores
     times = {}
     for family in families:
+        path = root / f"sft_time-{family}{f'@{args.tag}' if changes_sft(args) else ''}.json"
+        if not build:
+            times[family] = json.loads(path.read_text()) if path.is_file() else {}
+            continue
         start, before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
         cfg = load(args, family)
         _, _, sft = prepare(cfg, root)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        path = root / f"sft_time-{family}.json"  # the first (uncached) preparation's cost, kept for later reports
-        if not path.is_file():
+        if not path.is_file():  # the first (uncached) preparation's cost, kept for later reports
             path.write_text(json.dumps({"wall_s": time.time() - start, "load": os.getloadavg()[0],
                                         "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime +
                                                                                       before.ru_stime)}))
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args, args.worker)
         return 0
-    from learning_record import build_record, record_invocation
+    from learning_record import build_record, pinned_commit, record_invocation
 
     from bench.results import commit_state, write_result
 
@@ -335,12 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     families = args.families.split(",")
     start = time.time()
-    sft_times = prepare_families(args, root, families)
     jobs, baselines = job_lists(args, families)
     todo = [job for job in jobs + baselines if not out_path(args, job).is_file()]
+    if official and todo and (pinned := pinned_commit(root, args, provenance[0])):
+        raise SystemExit(f"error: this record's runs started on commit {pinned}, and every run of a design comes from "
+                         f"one commit; resume from a worktree there: git worktree add ../bench-wt {pinned}")
+    sft_times = prepare_families(args, root, families, build=bool(todo))
     pool = run_pool(args, todo, root) if todo else {"attempts": {}, "mean_load": os.getloadavg()[0]}
     missing = [job for job in jobs + baselines if not out_path(args, job).is_file()]
-    record_invocation(root, args, time.time() - start, ran=bool(todo))
+    record_invocation(root, args, time.time() - start, ran=bool(todo), commit=provenance[0])
     for family in families:
         report_family(args, root, family, jobs, baselines, missing, sft_times[family], pool, time.time() - start)
     print(f"\nbench: {(time.time() - start) / 60:.1f} min wall this invocation, mean load average "

@@ -7,7 +7,7 @@ Primary endpoints (the primary family, Holm at alpha over them): E1 each algorit
 unadjusted, and said so. Secondary endpoints (unadjusted): accuracy among well-formed answers (format repair vs
 reasoning), the well-formed rate, executed tool calls per question. Control: the lr = 0 run - SFT must hold 0.
 
-    .venv/bin/python -m bench.learning_stats <record>   # e.g. learning: bench/results/per-question/learning.json
+    .venv/bin/python -m bench.learning_protocol <record>   # e.g. learning: bench/results/per-question/learning.json
 """
 
 from __future__ import annotations

@@ -41,18 +41,30 @@ def pooled_sft(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                                          "ci_high": high}}
 
 
-def record_invocation(root: Path, args: argparse.Namespace, wall_s: float, ran: bool) -> None:
+def record_invocation(root: Path, args: argparse.Namespace, wall_s: float, ran: bool, commit: str | None) -> None:
     """One line per invocation in <root>/invocations.jsonl: the bench's wall time adds up over resumed sessions."""
     with open(root / "invocations.jsonl", "a") as handle:
         handle.write(json.dumps({"record": record_name(args), "families": args.families, "wall_s": round(wall_s, 1),
-                                 "ran_runs": ran, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+                                 "ran_runs": ran, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+
+
+def invocations(root: Path, name: str) -> list[dict[str, Any]]:
+    path = root / "invocations.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [line for line in lines if line["record"] == name]
 
 
 def bench_wall_min(root: Path, name: str) -> float:
     """Minutes of wall time of every invocation that ran runs of record `name` (reports alone add nothing)."""
-    path = root / "invocations.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    return round(sum(line["wall_s"] for line in lines if line["record"] == name and line["ran_runs"]) / 60, 1)
+    return round(sum(line["wall_s"] for line in invocations(root, name) if line["ran_runs"]) / 60, 1)
+
+
+def pinned_commit(root: Path, args: argparse.Namespace, commit: str | None) -> str | None:
+    """The commit an earlier invocation ran this record's runs on, when it is not `commit`: a design's runs all come
+    from one commit (a later one keys SFT and RL anew: new policies mixed with old ones), so resuming on another is
+    refused; a report of finished runs may come from any commit."""
+    ran = [line.get("commit") for line in invocations(root, record_name(args)) if line["ran_runs"]]
+    return next((c for c in ran if c and commit and c != commit), None)
 
 
 def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[str, dict[str, Any]]],

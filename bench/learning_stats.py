@@ -8,7 +8,7 @@ once for all seeds, the questions; its spread holds both the seed-to-seed and th
 The same crossed model's variance components give the standard error of a design not yet run, hence its minimum
 detectable difference (MDE) and power.
 
-    .venv/bin/python -m bench.learning_stats learning   # the tables of bench/results/per-question/learning.json
+    .venv/bin/python -m bench.learning_protocol learning   # the tables of bench/results/per-question/learning.json
 """
 
 from __future__ import annotations
@@ -232,9 +232,3 @@ def design_grid(components: Components, seeds_options: list[int], question_optio
             if best is None and row["mde"] <= target_mde:
                 best = row
     return {"best": best, "grid": grid}
-
-
-if __name__ == "__main__":
-    from bench.learning_protocol import main
-
-    raise SystemExit(main())
