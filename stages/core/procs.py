@@ -12,8 +12,9 @@ answers, end the whole group.
 - `kill_group` ends a group (SIGTERM, then SIGKILL after a grace period) and waits until no member is left
   (`group_members`, psutil: zombies do not count). `stop_group` first asks the leader alone (SIGTERM) and gives it
   the grace period to shut its children down itself, then kills what is left; the supervisor passes the signal on
-  to its command the same way, so a server's own shutdown runs before anything is killed. (vLLM 0.32's API server
-  still logs `EngineDeadError` while it stops its engine this way: that traceback is not yet gone.)
+  to its command the same way, so a server's own shutdown runs before anything is killed. It returns what happened
+  (`Stopped`: the exit status, whether the group had to be killed, what survived), so the caller can tell a clean
+  stop from one that went wrong (`Stopped.problem`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +81,9 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def kill_group(pgid: int, grace_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM the group, SIGKILL what is left after `grace_s`, wait until it is empty; reap `proc`."""
+def kill_group(pgid: int, grace_s: float = 10.0, proc: subprocess.Popen | None = None) -> list[int]:
+    """SIGTERM the group, SIGKILL what is left after `grace_s`, wait until it is empty; reap `proc`. Returns the
+    members still alive after all that (none, unless one is stuck in the kernel)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
@@ -98,21 +101,55 @@ def kill_group(pgid: int, grace_s: float = 10.0, proc: subprocess.Popen | None =
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+    return group_members(pgid)
 
 
-def stop_group(pgid: int, grace_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+# exit statuses of a leader that stopped on our SIGTERM: 0, killed by it (-15 from Popen, 143 from a shell), or the
+# supervisor's `sys.exit(-15)` for a command killed by it (241)
+SIGTERM_EXITS = (0, -signal.SIGTERM, 128 + signal.SIGTERM, 256 - signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How `stop_group` ended a group: the leader's exit status (None when this process did not start it), whether
+    it was still running after the grace period and had to be killed, the members that outlived even SIGKILL."""
+    returncode: int | None
+    seconds: float
+    killed: bool = False
+    survivors: tuple[int, ...] = ()
+
+    def problem(self, grace_s: float) -> str:
+        """'' for a clean stop, else what went wrong, in words."""
+        if self.survivors:
+            return (f"processes {', '.join(map(str, self.survivors))} of its group outlived SIGKILL (stuck in the "
+                    "kernel?); `ps -o pid,stat,cmd -p <pid>` shows them")
+        if self.killed:
+            return f"it did not stop within {grace_s:g} s of SIGTERM, so its process group was killed"
+        if self.returncode is not None and self.returncode not in SIGTERM_EXITS:
+            return f"it exited with status {self.returncode} (a clean stop exits 0 or by SIGTERM)"
+        return ""
+
+    def describe(self) -> str:
+        status = "exit status unknown" if self.returncode is None else f"exit {self.returncode}"
+        return f"{status}, {self.seconds:.1f} s after SIGTERM"
+
+
+def stop_group(pgid: int, grace_s: float = 10.0, proc: subprocess.Popen | None = None) -> Stopped:
     """SIGTERM the group's leader alone, wait up to `grace_s` for the whole group to exit by itself, then
     `kill_group` whatever is left (module doc)."""
+    started = time.monotonic()
     try:
         os.kill(pgid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + grace_s
+    deadline = started + grace_s
     while group_members(pgid) and time.monotonic() < deadline:
         if proc is not None:
             proc.poll()
         time.sleep(0.05)
-    kill_group(pgid, min(grace_s, 5.0), proc)
+    killed = bool(group_members(pgid))
+    survivors = kill_group(pgid, min(grace_s, 5.0), proc)
+    return Stopped(None if proc is None else proc.returncode, time.monotonic() - started, killed, tuple(survivors))
 
 
 def healthy(url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:

