@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from stages.core import tracking
 from stages.core.atomic import read_jsonl, write_json, write_jsonl
 from stages.core.codeversion import code_version
 from stages.core.config.eval import EvalSection
@@ -31,7 +32,7 @@ from stages.core.log import get_logger
 from stages.core.passk import summarize
 from stages.core.provenance import git_state, utc_now
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
-from stages.core.workspace import stage_dir
+from stages.core.workspace import StageDir, stage_dir
 from stages.eval.benchmarks import headline_metric
 from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict
 from stages.eval.provenance import judge_record
@@ -73,25 +74,42 @@ def score_predictions(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRe
     judged = cfg.judge.enabled and judge is not None
     out = stage_dir(output_root, STAGE, scoring_key(cfg, preds, judge), force=force)
     if not out.complete:
-        rows = load_predictions(predictions_file(preds))
-        samples = score_samples(cfg, rows, judge if judged else None, Path(cache_root),
-                                headline_metric(preds.benchmark))
-        summary = summarize_benchmark(cfg, samples, judged, headline_metric(preds.benchmark))
-        summary |= {"judge": judge.identity if judged else None, "predictions": str(predictions_file(preds)),
-                    "search_mode": preds.meta.get("search_mode"),  # how the answers searched, for the report
-                    "inference": preds.meta.get("provenance"),  # what produced the predictions (the report's block)
-                    "judge_served": judge_record(judge if judged else None,
-                                                 [s.judge_model for s in samples if s.judge_says_correct is not None]),
-                    "scored": {**git_state(), "date": utc_now()}}
-        write_jsonl(out.path / "samples.jsonl", [sample.model_dump() for sample in samples])
-        write_json(out.path / "summary.json", summary)
-        out.finish()
-        accuracy = summary["metrics"].get("accuracy", {}).get("value", float("nan"))
-        log.info("%s: accuracy %.3f over %d questions x %d samples (%d answers left out: infrastructure failures)",
-                 summary["benchmark"], accuracy, summary["questions"], summary["samples_per_question"],
-                 summary["infra_failed_answers"])
+        with tracking.stage_run("score", out.path, label=preds.benchmark) as run:
+            summary = _score(cfg, preds, judge, judged, out, cache_root)
+            run.log_summary(score_metrics(summary))
     summary = _read_summary(out.path)
     return ScoresRef(path=str(out.path), fingerprint=out.fingerprint, benchmark=summary["benchmark"], meta=summary)
+
+
+def score_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """A benchmark's scores as the tracker's summary metrics: accuracy, pass@k (`pass_at_k`), tool use."""
+    out = {name: stats["value"] for name, stats in (summary.get("metrics") or {}).items()
+           if isinstance(stats, dict) and isinstance(stats.get("value"), int | float)}
+    return out | {name: summary[name] for name in ("em", "f1", "tool_calls", "tool_use_rate")
+                  if isinstance(summary.get(name), int | float)}
+
+
+def _score(cfg: EvalSection, preds: PredictionsRef, judge: EndpointRef | None, judged: bool, out: StageDir,
+           cache_root: str | Path) -> dict[str, Any]:
+    """Score the predictions, write samples.jsonl and summary.json, finish `out`; returns the summary."""
+    rows = load_predictions(predictions_file(preds))
+    samples = score_samples(cfg, rows, judge if judged else None, Path(cache_root),
+                            headline_metric(preds.benchmark))
+    summary = summarize_benchmark(cfg, samples, judged, headline_metric(preds.benchmark))
+    summary |= {"judge": judge.identity if judged else None, "predictions": str(predictions_file(preds)),
+                "search_mode": preds.meta.get("search_mode"),  # how the answers searched, for the report
+                "inference": preds.meta.get("provenance"),  # what produced the predictions (the report's block)
+                "judge_served": judge_record(judge if judged else None,
+                                             [s.judge_model for s in samples if s.judge_says_correct is not None]),
+                "scored": {**git_state(), "date": utc_now()}}
+    write_jsonl(out.path / "samples.jsonl", [sample.model_dump() for sample in samples])
+    write_json(out.path / "summary.json", summary)
+    out.finish()
+    accuracy = summary["metrics"].get("accuracy", {}).get("value", float("nan"))
+    log.info("%s: accuracy %.3f over %d questions x %d samples (%d answers left out: infrastructure failures)",
+             summary["benchmark"], accuracy, summary["questions"], summary["samples_per_question"],
+             summary["infra_failed_answers"])
+    return summary
 
 
 def _read_summary(folder: Path) -> dict[str, Any]:

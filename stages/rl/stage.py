@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stages.core import tracking
 from stages.core.algorithm_spec import ALGORITHMS
 from stages.core.atomic import read_jsonl, write_text
 from stages.core.codeversion import code_version
@@ -53,12 +54,14 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
         write_text(out.path / CARD_FILE, card_markdown(algorithm_card(cfg)))
         base = base_model(policy)  # `arpo plan` projects runs of these per-step settings from this one's metrics
         write_identity(out.path, step_identity(cfg, agent, base.name if base else "", dtype))
-        result = engine(cfg, agent, policy, data, out.path, Path(cache_root), seed, dtype)
-        if not cfg.trainer.keep_optimizer_state:  # before `finish` hashes the content
-            drop_optimizer_state(Path(result.path), result.format)
-        content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
-        out.finish(content=content, final=result.path, steps=result.step, format=result.format,
-                   meta=result.meta)
+        with tracking.stage_run("rl", out.path) as run:  # each engine logs its metrics.jsonl rows into it
+            run.log_artifact(out.path / CARD_FILE)
+            result = engine(cfg, agent, policy, data, out.path, Path(cache_root), seed, dtype)
+            if not cfg.trainer.keep_optimizer_state:  # before `finish` hashes the content
+                drop_optimizer_state(Path(result.path), result.format)
+            content = Path(result.path) / "model" if result.format == "trainer" else Path(result.path)
+            out.finish(content=content, final=result.path, steps=result.step, format=result.format,
+                       meta=result.meta)
     elif (out.path / "metrics.jsonl").is_file():  # trained before (another run's Prefect cache), either engine:
         publish_results(cfg, out.path, read_jsonl(out.path / "metrics.jsonl"), replot=False)  # its curves here too
     marker = out.marker()

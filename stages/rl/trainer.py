@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from stages.agent.rewards import compute_rewards
-from stages.core import reporter
+from stages.core import reporter, tracking
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.config.rl_engine import local_engine_problem
@@ -169,6 +169,8 @@ class RLTrainer:
         if latest is not None:
             log.info("rl: resuming from checkpoint step %d of %d (%s)", state.step, self.total_steps, latest)
         history = reconcile_metrics(self.metrics_path, state.step, state.metrics if latest else None)
+        for done in history:  # a resumed run's tracker run gets the steps before the crash too
+            tracking.log_step(done)
         self.watch = AlarmWatch(self.cfg.alarms, self.path / "alarms.jsonl", resumed_step=state.step)
         pad_id = self.tokenizer.pad_token_id
         session = RolloutSession(self.cfg.rollout.generation(), self.agent, self.model, self.tokenizer, self.data,
@@ -179,6 +181,7 @@ class RLTrainer:
                 while state.step < self.total_steps:
                     row = self.step(state, session, pad_id, history)
                     history.append(row)
+                    tracking.log_step(row)  # the stage's tracker run (stages.core.tracking), same names
                     bar.update(state.step, note=f"reward {row['reward/mean']:.3f}, tools/traj "
                                                 f"{row['tools/calls_per_traj']:.2f}")
                     if state.step % self.cfg.trainer.report_every == 0 or state.step == self.total_steps:

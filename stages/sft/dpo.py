@@ -20,6 +20,7 @@ from typing import Any
 
 from stages.agent.prompt_templates import system_prompt
 from stages.agent.protocol import minimal_answer
+from stages.core import tracking
 from stages.core.atomic import write_json
 from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
@@ -30,7 +31,7 @@ from stages.core.inputs import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef
 from stages.core.rl_parquet import read_rl_parquet
-from stages.core.workspace import stage_dir
+from stages.core.workspace import StageDir, stage_dir
 from stages.generation.samples import Sampled, sample, sampling_settings
 from stages.sft import lf_config
 from stages.sft.dataset import teacher_report
@@ -120,31 +121,44 @@ def run_dpo(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, dat
     if not template:
         raise ValueError("no LLaMA-Factory template for DPO: set sft.template")
     out = stage_dir(output_root, "dpo", dpo_key(cfg, agent, checkpoint, data), force=force)
-    model_dir, trainer = out.path / "model", out.path / "trainer"
+    model_dir = out.path / "model"
     if not out.complete:
-        preflight(cfg)
-        counts = _pairs(cfg, agent, checkpoint, data, out.path / "pairs", cache_root)
-        env = subprocess_env()
-        if not model_dir.is_dir():
-            if not (trainer / "all_results.json").is_file():
-                resume = resume_point(trainer)
-                args = lf_config.dpo_train_args(dpo, cfg, model_path=local_path(checkpoint.path),
-                                                template=template, dataset_dir=str(out.path / "pairs"),
-                                                dataset=PAIRS_NAME, output_dir=str(trainer),
-                                                resume_from=str(resume) if resume else None)
-                cmd = lf_config.train_command(cfg.launcher, cfg.nproc_per_node, str(out.path / "dpo.yaml"),
-                                              bin_dir(), env)
-                run_config(args, out.path / "dpo.yaml", cmd, out.path / "dpo.log", env, "dpo")
-            merge_lora(local_path(checkpoint.path), str(trainer), template, model_dir, cfg.bf16, out.path, env)
-        if base is not None:
-            check_hf_folder(model_dir, base)
-        metrics = {**{k: v for k, v in training_metrics(trainer).items() if v is not None}, **counts}
-        write_json(out.path / "metrics.json", metrics)
-        out.finish(content=model_dir, metrics=metrics, template=template)
+        with tracking.stage_run("dpo", out.path) as run:  # LLaMA-Factory logs the DPO loss into it (report_to)
+            metrics = compute_dpo(cfg, agent, checkpoint, data, out, cache_root, template, run.handoff())
+            run.log_summary({f"summary/{k}": v for k, v in tracking.numeric(metrics).items()})
     marker = out.marker()
     return CheckpointRef(path=str(model_dir), fingerprint=marker["fingerprint"], format="hf", base=base,
                          meta={"template": template, "metrics": marker.get("metrics", {}), "stage_dir": str(out.path),
                                "after": "dpo"})
+
+
+def compute_dpo(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None,
+                out: StageDir, cache_root: str, template: str, report: tracking.Handoff) -> dict[str, Any]:
+    """Pairs, LLaMA-Factory DPO (its logger: `report`), the merged HF folder; finishes `out`; returns the metrics."""
+    dpo, base = cfg.dpo, checkpoint.base
+    model_dir, trainer = out.path / "model", out.path / "trainer"
+    preflight(cfg)
+    counts = _pairs(cfg, agent, checkpoint, data, out.path / "pairs", cache_root)
+    env = subprocess_env()
+    if not model_dir.is_dir():
+        if not (trainer / "all_results.json").is_file():
+            resume = resume_point(trainer)
+            args = lf_config.dpo_train_args(dpo, cfg, model_path=local_path(checkpoint.path),
+                                            template=template, dataset_dir=str(out.path / "pairs"),
+                                            dataset=PAIRS_NAME, output_dir=str(trainer),
+                                            resume_from=str(resume) if resume else None,
+                                            report_to=report.report_to, run_name=report.name or None)
+            train_env = {**env, **report.env}
+            cmd = lf_config.train_command(cfg.launcher, cfg.nproc_per_node, str(out.path / "dpo.yaml"),
+                                          bin_dir(), train_env)
+            run_config(args, out.path / "dpo.yaml", cmd, out.path / "dpo.log", train_env, "dpo")
+        merge_lora(local_path(checkpoint.path), str(trainer), template, model_dir, cfg.bf16, out.path, env)
+    if base is not None:
+        check_hf_folder(model_dir, base)
+    metrics = {**{k: v for k, v in training_metrics(trainer).items() if v is not None}, **counts}
+    write_json(out.path / "metrics.json", metrics)
+    out.finish(content=model_dir, metrics=metrics, template=template)
+    return metrics
 
 
 def _pairs(cfg: SFTSection, agent: AgentSection, checkpoint: CheckpointRef, data: DatasetRef | None, folder: Path,

@@ -28,11 +28,14 @@ def _lora(training: TrainingSection) -> dict[str, Any]:
 
 def sft_train_args(cfg: SFTSection, *, model_path: str, template: str, dataset_dir: str, dataset: str,
                    output_dir: str, tokenized_path: str | None = None,
-                   resume_from: str | None = None) -> dict[str, Any]:
+                   resume_from: str | None = None, report_to: str = "none",
+                   run_name: str | None = None) -> dict[str, Any]:
     """The LLaMA-Factory `train` arguments of one SFT run.
 
     `tokenized_path`: a pre-tokenized dataset (result-masked labels); LLaMA-Factory then loads it and skips its
-    own preprocessing. `resume_from`: a trainer checkpoint folder to continue from after a crash.
+    own preprocessing. `resume_from`: a trainer checkpoint folder to continue from after a crash. `report_to` /
+    `run_name`: the tracker the stage's run hands its logging to (stages.core.tracking Handoff: mlflow, wandb,
+    tensorboard or none) and that run's name, which Hugging Face's MLflow callback would otherwise rename.
     """
     args: dict[str, Any] = {
         "model_name_or_path": model_path,
@@ -56,7 +59,7 @@ def sft_train_args(cfg: SFTSection, *, model_path: str, template: str, dataset_d
     }
     if tokenized_path:
         args["tokenized_path"] = tokenized_path
-    args |= _output_args(cfg.logging_steps, cfg.save_steps, cfg.save_total_limit, output_dir)
+    args |= _output_args(cfg.logging_steps, cfg.save_steps, cfg.save_total_limit, output_dir, report_to, run_name)
     args |= _optim_args(cfg, cfg, resume_from)
     return args | dict(cfg.extra_args)
 
@@ -83,7 +86,8 @@ def _optim_args(sft: SFTSection, training: TrainingSection, resume_from: str | N
     return args
 
 
-def _output_args(logging_steps: int, save_steps: int, save_total_limit: int, output_dir: str) -> dict[str, Any]:
+def _output_args(logging_steps: int, save_steps: int, save_total_limit: int, output_dir: str,
+                 report_to: str = "none", run_name: str | None = None) -> dict[str, Any]:
     return {
         "output_dir": output_dir,
         "logging_steps": logging_steps,
@@ -92,13 +96,16 @@ def _output_args(logging_steps: int, save_steps: int, save_total_limit: int, out
         "save_total_limit": save_total_limit,
         "plot_loss": True,
         "overwrite_output_dir": False,  # we decide resume vs fresh start ourselves (stages.sft.runner)
-        "report_to": "none",
+        "report_to": report_to,
+        **({"run_name": run_name} if run_name else {}),
     }
 
 
 def dpo_train_args(dpo: DPOSection, sft: SFTSection, *, model_path: str, template: str, dataset_dir: str,
-                   dataset: str, output_dir: str, resume_from: str | None = None) -> dict[str, Any]:
-    """LLaMA-Factory DPO over a sharegpt ranking dataset, LoRA on top of the SFT checkpoint."""
+                   dataset: str, output_dir: str, resume_from: str | None = None, report_to: str = "none",
+                   run_name: str | None = None) -> dict[str, Any]:
+    """LLaMA-Factory DPO over a sharegpt ranking dataset, LoRA on top of the SFT checkpoint (`report_to`,
+    `run_name`: as sft_train_args)."""
     args: dict[str, Any] = {
         "model_name_or_path": model_path,
         "trust_remote_code": True,
@@ -121,7 +128,7 @@ def dpo_train_args(dpo: DPOSection, sft: SFTSection, *, model_path: str, templat
         "preprocessing_num_workers": sft.preprocessing_num_workers,
         "dataloader_num_workers": sft.dataloader_num_workers,
     }
-    args |= _output_args(sft.logging_steps, sft.save_steps, sft.save_total_limit, output_dir)
+    args |= _output_args(sft.logging_steps, sft.save_steps, sft.save_total_limit, output_dir, report_to, run_name)
     return args | _optim_args(sft, dpo, resume_from)
 
 

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stages.core import tracking
 from stages.core.atomic import atomic_path, write_json, write_yaml
 from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
@@ -109,6 +110,15 @@ def run_sft(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: Dataset
     if out.complete:
         log.info("sft: cached result in %s", out.path)
         return checkpoint_ref(out, model)
+    with tracking.stage_run("sft", out.path) as run:  # LLaMA-Factory logs the loss into it (report_to)
+        metrics = compute_sft(cfg, agent, model, data, out, cache_root, run.handoff())
+        run.log_summary({f"summary/{k}": v for k, v in tracking.numeric(metrics).items()})
+    return checkpoint_ref(out, model)
+
+
+def compute_sft(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: DatasetRef | None, out: StageDir,
+                cache_root: str, report: tracking.Handoff) -> dict[str, Any]:
+    """Dataset, LLaMA-Factory training (its logger: `report`), the HF folder; finishes `out`; returns the metrics."""
     template = template_of(cfg, model)
     preflight(cfg)
     counts = prepare_sft_dataset(cfg, agent, data, out.path / "dataset", cache_root)
@@ -118,7 +128,7 @@ def run_sft(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: Dataset
         env = subprocess_env()
         tokenized = pretokenize_if_masked(cfg, model, template, out.path, env)
         if not (trainer / "all_results.json").is_file():
-            train(cfg, model, template, out.path, tokenized, env)
+            train(cfg, model, template, out.path, tokenized, env, report)
         finalize_model(cfg, model, template, out.path, env)
     check_hf_folder(model_dir, model)
     metrics = collect_metrics(out.path, counts)
@@ -126,7 +136,7 @@ def run_sft(cfg: SFTSection, agent: AgentSection, model: ModelRef, data: Dataset
         for old in trainer.glob("checkpoint-*"):
             shutil.rmtree(old, ignore_errors=True)
     out.finish(content=model_dir, metrics=metrics, template=template)
-    return checkpoint_ref(out, model)
+    return metrics
 
 
 def checkpoint_ref(out: StageDir, model: ModelRef) -> CheckpointRef:
@@ -156,7 +166,10 @@ def pretokenize_if_masked(cfg: SFTSection, model: ModelRef, template: str, folde
 
 
 def train(cfg: SFTSection, model: ModelRef, template: str, folder: Path, tokenized: str | None,
-          env: dict[str, str]) -> None:
+          env: dict[str, str], report: tracking.Handoff | None = None) -> None:
+    """LLaMA-Factory's training run, reporting its loss to the stage's tracker run (`report`: report_to, the run's
+    name, the environment that points its logger at that run)."""
+    report = report or tracking.Handoff()
     trainer = folder / "trainer"
     resume = resume_point(trainer)
     if resume is not None:
@@ -166,7 +179,9 @@ def train(cfg: SFTSection, model: ModelRef, template: str, folder: Path, tokeniz
     args = lf_config.sft_train_args(cfg, model_path=local_path(model.path), template=template,
                                     dataset_dir=str(folder / "dataset"),
                                     dataset=DATASET_NAME, output_dir=str(trainer), tokenized_path=tokenized,
-                                    resume_from=str(resume) if resume else None)
+                                    resume_from=str(resume) if resume else None, report_to=report.report_to,
+                                    run_name=report.name or None)
+    env = {**env, **report.env}
     cmd = lf_config.train_command(cfg.launcher, cfg.nproc_per_node, str(folder / "train.yaml"), bin_dir(), env)
     run_config(args, folder / "train.yaml", cmd, folder / "train.log", env, "sft")
 

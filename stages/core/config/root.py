@@ -16,6 +16,7 @@ from stages.core.config.run import RunSection
 from stages.core.config.section import Section
 from stages.core.config.serve import ServeSection
 from stages.core.config.sft import SFTSection
+from stages.core.config.tracking import TrackingSection
 from stages.core.engine_spec import ENGINES
 
 
@@ -31,6 +32,7 @@ class RunConfig(Section):
     serve: ServeSection = ServeSection()
     eval: EvalSection = EvalSection()
     cost: CostSection = CostSection()
+    tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
     def _local_engine_fits(self) -> RunConfig:

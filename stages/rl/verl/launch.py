@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.agent.toolbox import corpus_path
-from stages.core import reporter
+from stages.core import reporter, tracking
 from stages.core.atomic import write_json, write_jsonl, write_text
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
@@ -143,7 +143,8 @@ def prepare(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
                    paths.settings)
     attempt = stage / "verl_metrics" / f"attempt_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     attempt.parent.mkdir(parents=True, exist_ok=True)
-    overrides = verl_overrides(cfg, dtype, seed, paths, model_type_of(model_dir))
+    handoff = tracking.current().handoff(nested="verl")  # verl's own logger: a run nested in the stage's
+    overrides = verl_overrides(cfg, dtype, seed, paths, model_type_of(model_dir), handoff)
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={attempt}")
     write_text(inputs / "overrides.txt", "\n".join(overrides) + "\n")
     return overrides, paths, rows

@@ -11,9 +11,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stages.core.config.rl import RLSection
 from stages.rl.verl.cpu_mode import extra_overrides, plugin_modules
+
+if TYPE_CHECKING:
+    from stages.core.tracking import Handoff
 
 AGG_MODES = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
              "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
@@ -49,7 +53,7 @@ def _fmt(value: object) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_fmt(v) for v in value) + "]"
     text = str(value)
-    if isinstance(value, str) and not _PLAIN.match(text):  # hydra's grammar: quote anything unusual
+    if isinstance(value, Quoted) or (isinstance(value, str) and not _PLAIN.match(text)):  # hydra's grammar
         return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return text
 
@@ -69,9 +73,30 @@ def model_type_of(folder: str | Path) -> str | None:
         return None
 
 
-def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths, model_type: str | None = None) -> list[str]:
+def logging_overrides(loggers: list[str], paths: VerlPaths, handoff: Handoff | None = None) -> dict[str, object]:
+    """verl's trainer.logger: rl.verl.logger (the file logger is what the stage reads into metrics.jsonl) plus the
+    tracking backend's own verl logger, pointed by `handoff` (stages.core.tracking: a run nested in the RL stage's,
+    `<stage run>-verl`) at the pipeline's tracker through the variables verl's loggers read in the trainer's Ray
+    workers (mlflow: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID; wandb: WANDB_*; tensorboard: TENSORBOARD_DIR, all in
+    verl/utils/tracking.py). Values are quoted: an id or a flag must reach Ray's env_vars as a string."""
+    extra = [handoff.verl_logger] if handoff is not None and handoff.verl_logger else []
+    out: dict[str, object] = {"trainer.logger": list(dict.fromkeys([*loggers, *extra])),
+                              "trainer.project_name": handoff.project if extra else "arpo-pipeline",
+                              "trainer.experiment_name": handoff.name if extra else paths.experiment}
+    for key, value in sorted(handoff.env.items()) if extra else ():
+        out[f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}"] = Quoted(value)
+    return out
+
+
+class Quoted(str):
+    """A string hydra must read as a string (`'20'`, not the int 20; `'false'`, not a bool)."""
+
+
+def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths, model_type: str | None = None,
+                   handoff: Handoff | None = None) -> list[str]:
     """The complete override list (no defaults of verl's that matter are left implicit). `model_type`: the
-    policy's config.json model_type, which decides rl.verl.remove_padding: auto under sdpa (None: off)."""
+    policy's config.json model_type, which decides rl.verl.remove_padding: auto under sdpa (None: off).
+    `handoff`: the RL stage's tracker run for verl's own logger (logging_overrides)."""
     if rl.loss.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"rl.loss.policy_loss={rl.loss.policy_loss!r} has no verl registration; the verl engine "
                          f"supports {sorted(POLICY_LOSSES)}")
@@ -137,8 +162,8 @@ def verl_overrides(rl: RLSection, dtype: str, seed: int, paths: VerlPaths, model
         "trainer.save_freq": tr.save_every, "trainer.max_actor_ckpt_to_keep": tr.keep_checkpoints,
         "trainer.default_local_dir": paths.checkpoints, "trainer.resume_mode": "auto",
         "trainer.rollout_data_dir": paths.rollout_dump if tr.dump_rollouts else None,
-        "trainer.logger": list(vs.logger), "trainer.project_name": "arpo-pipeline",
-        "trainer.experiment_name": paths.experiment, "trainer.val_before_train": False, "trainer.test_freq": -1,
+        **logging_overrides(list(vs.logger), paths, handoff), "trainer.val_before_train": False,
+        "trainer.test_freq": -1,
         "+ray_kwargs.ray_init.runtime_env.env_vars.ARPO_VERL_SETTINGS": paths.settings,
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": external_modules(plugin_modules(vs)),
         # resources: TransferQueue reserves one Ray CPU per storage unit (pre-flight: resources.py)

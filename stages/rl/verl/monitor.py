@@ -159,6 +159,7 @@ class LiveReport:
 
     def on_step(self, row: dict[str, Any]) -> None:
         from stages.core.atomic import write_jsonl
+        from stages.core.tracking import log_step
         from stages.rl.alarms import AlarmStop
         from stages.rl.publish import publish_results
 
@@ -170,6 +171,7 @@ class LiveReport:
                             f"checkpoints/global_step_{row['step']} may exist: delete it to redo the step)") from None
         finally:
             write_jsonl(self.stage / "metrics.jsonl", self.history)
+            log_step(row)  # the stage's tracker run (stages.core.tracking): the local engine's names
         self.tracker.update(row["step"], note=f"reward {row.get('reward/mean', float('nan')):.3f}, tools/traj "
                                               f"{row.get('tools/calls_per_traj', float('nan')):.2f}")
         if row["step"] % self.cfg.trainer.report_every == 0:  # rl-curves, and rl-rollouts from our step dumps
