@@ -31,6 +31,7 @@ from bench.learning_questions import (
     policies,
     rate_SQ,
     read_per_question,
+    runs_of,
 )
 from stages.core.algorithm_spec import SPECS
 
@@ -193,10 +194,26 @@ def design_table(name: str, family: Family, design: Design) -> dict[str, Any]:
                         "its MDE"], "rows": rows}
 
 
+def policy_table(family: Family) -> dict[str, Any]:
+    """Per policy, pooled over its seeds: accuracy, the well-formed rate, accuracy among well-formed answers (what a
+    policy gets right when it answers in form: format repair moves the rate, reasoning this ratio), tool calls."""
+    rows = []
+    for policy in policies(family):
+        runs = list(runs_of(family, policy).values())
+        correct, formed = count_SQ(runs, "correct"), count_SQ(runs, "formed")
+        rows.append([policy, ", ".join(str(s) for s in runs_of(family, policy)), f"{runs[0].samples}",
+                     f"{rate_SQ(runs).mean():.3f}", f"{rate_SQ(runs, 'formed').mean():.3f}",
+                     f"{st.pooled_ratio(correct, formed):.3f}", f"{rate_SQ(runs, 'calls').mean():.2f}"])
+    return {"columns": ["policy", "seeds", "samples per question", "accuracy", "well-formed", "accuracy among "
+                        "well-formed", "tool calls per sample"], "rows": rows}
+
+
 def protocol_tables(per_question: dict[str, Family], design: Design = Design()) -> dict[str, dict[str, Any]]:
-    """Every family's protocol tables, named `<family>-primary|secondary|control|design` as a record holds them."""
+    """Every family's protocol tables, named `<family>-policies|primary|secondary|control|design` as a record holds
+    them."""
     tables: dict[str, dict[str, Any]] = {}
     for name, family in per_question.items():
+        tables[f"{name}-policies"] = policy_table(family)
         tables[f"{name}-primary"] = primary_table(name, family, design)
         tables[f"{name}-secondary"] = secondary_table(family, design)
         control = control_table(family, design)

@@ -104,10 +104,18 @@ def synthetic(tmp_path: Path) -> dict[str, lq.Family]:
     return lq.read_per_question("learning", tmp_path)
 
 
+def test_policy_table_pools_each_policys_seeds(tmp_path: Path) -> None:
+    rows = {row[0]: row for row in lp.policy_table(small_record(tmp_path)["arith"])["rows"]}
+    # sft: correct 4 + 2 = 6 of 16 samples; every sample well-formed; one call per question over 2 samples
+    assert rows["sft"][1:] == ["0, 1", "2", "0.375", "1.000", "0.375", "0.50"]
+    # grpo: 6 + 4 = 10 of 16; control (seed 0 only): 4 of 8
+    assert rows["grpo"][3] == "0.625" and rows["control"][1:4] == ["0", "2", "0.500"]
+
+
 def test_protocol_tables_from_the_per_question_file(tmp_path: Path) -> None:
     design = lp.Design(bootstrap_samples=1000)
     tables = lp.protocol_tables(synthetic(tmp_path), design)
-    kinds = ("primary", "secondary", "control", "design")
+    kinds = ("policies", "primary", "secondary", "control", "design")
     assert set(tables) == {f"{f}-{t}" for f in ("arith", "chain") for t in kinds}
     primary = {row[0]: row for row in tables["arith-primary"]["rows"]}
     assert list(primary) == ["E1 grpo - sft", "E1 arpo - sft", "E1 aepo - sft", "E2 arpo - grpo", "E3 aepo - grpo"]
