@@ -50,6 +50,9 @@ class Design:
     bootstrap_samples: int = st.BOOTSTRAP_SAMPLES
     bootstrap_seed: int = 0
     seeds_options: tuple[int, ...] = (3, 4, 5, 6, 8, 10, 12, 16, 20)
+    planned_samples: int = 1          # samples per question of the confirmatory run's evaluation
+    planned_questions: int = 400      # its test questions per family
+    plan_as_primary: str = ""         # a pilot's family (validation split: no claims) planned at the primaries' level
     question_options: tuple[int, ...] = (80, 200, 400, 800, 1600)
 
 
@@ -170,28 +173,46 @@ def control_table(family: Family, design: Design) -> dict[str, Any] | None:
 
 
 def design_table(name: str, family: Family, design: Design) -> dict[str, Any]:
-    """Per primary endpoint: this run's variance components and the cheapest design whose MDE meets the target, at
-    the first Holm step's level alpha/m in the primary family (every endpoint's level is unknown before the run, so
-    the smallest is planned for), alpha in an exploratory one. Samples per question as in this run."""
+    """Per primary endpoint: this run's variance components, converted to `design.planned_samples` samples per
+    question (the sampling part of the residual scales as 1/k), and the cheapest design whose MDE meets the target,
+    at the first Holm step's level alpha/m in the primary family (every endpoint's level is unknown before the run,
+    so the smallest is planned for), alpha in an exploratory one. A pilot of the baseline alone (a step-size sweep)
+    also plans the comparisons between algorithms: their seed variance is twice the baseline's against SFT (two
+    trained policies, each with its seed-to-seed spread, against one that only resamples)."""
     pairs = primary_pairs(family, design)
-    level = design.alpha / len(pairs) if name == design.primary_family and pairs else design.alpha
+    m = 2 * len(design.algorithms) - 1  # the primaries: E1 per algorithm, each other algorithm vs the baseline
+    primary = name in (design.primary_family, design.plan_as_primary)
+    level = design.alpha / m if primary else design.alpha
     rows = []
     for label, a, b in pairs:
         d = _diff(family, a, b)
         if min(d.shape) < 2:
             continue
+        _, ra, rb = paired(family, a, b)
         c = st.variance_components(d)
-        now = st.mde(st.se_of_mean(c, *d.shape), level, design.power)
-        grid = st.design_grid(c, list(design.seeds_options), list(design.question_options), level,
-                              design.target_mde, design.power)
-        best = grid["best"]
-        rows.append([label, f"{d.shape[0]} x {d.shape[1]}", f"{c.seed:.2e}", f"{c.question:.2e}",
-                     f"{c.residual:.2e}", f"{now:.3f}",
-                     f"{best['seeds']} x {best['questions']}" if best else "none in the grid",
-                     f"{best['mde']:.3f}" if best else ""])
-    return {"columns": ["endpoint", "seeds x questions (this run)", "var seed", "var question", "var residual",
-                        f"MDE now (alpha {level:.3g})", f"cheapest design for MDE <= {design.target_mde:g}",
+        k = ra[0].samples
+        if k >= 2 and k != design.planned_samples:
+            noise = sum(st.sampling_variance(count_SQ(r, "correct"), k) for r in (ra, rb))
+            c = st.at_samples(c, noise, k, design.planned_samples)
+        rows.append(_design_row(label, d.shape, c, level, design))
+        if b == SFT and a == design.baseline and not any(x != SFT and y == a for _, x, y in pairs):
+            twice = st.Components(2 * c.seed, c.question, c.residual)
+            rows.append(_design_row("E2, E3 (planned: seed variance x2)", d.shape, twice, level, design))
+    return {"columns": ["endpoint", "seeds x questions (this run)", "var seed", "var question",
+                        f"var residual at {design.planned_samples} sample(s)", f"MDE at {design.planned_questions} "
+                        f"questions, alpha {level:.3g}, by seeds", f"cheapest design for MDE <= {design.target_mde:g}",
                         "its MDE"], "rows": rows}
+
+
+def _design_row(label: str, shape: tuple[int, int], c: st.Components, level: float, design: Design) -> list[str]:
+    grid = st.design_grid(c, list(design.seeds_options), list(design.question_options), level, design.target_mde,
+                          design.power)
+    by_seeds = ", ".join(f"{S}: {st.mde(st.se_of_mean(c, S, design.planned_questions), level, design.power):.3f}"
+                         for S in (3, 4, 5, 6, 8))
+    best = grid["best"]
+    return [label, f"{shape[0]} x {shape[1]}", f"{c.seed:.2e}", f"{c.question:.2e}", f"{c.residual:.2e}", by_seeds,
+            f"{best['seeds']} x {best['questions']}" if best else "none in the grid",
+            f"{best['mde']:.3f}" if best else ""]
 
 
 def policy_table(family: Family) -> dict[str, Any]:

@@ -198,6 +198,23 @@ def variance_components(d_SQ: np.ndarray) -> Components:
                       question=float(max(0.0, (ms_question - ms_resid) / S)), residual=float(ms_resid))
 
 
+def sampling_variance(correct_SQ: np.ndarray, samples: int) -> float:
+    """The evaluation's own sampling noise in one policy's per-question accuracy x = c / k: the mean over seeds and
+    questions of p(1 - p) / k, with p(1 - p) estimated without bias from the k samples, c (k - c) / (k (k - 1))."""
+    c, k = np.asarray(correct_SQ, dtype=float), samples
+    if k < 2:
+        raise ValueError("the sampling variance needs at least 2 samples per question")
+    return float(np.mean(c * (k - c) / (k * (k - 1))) / k)
+
+
+def at_samples(components: Components, sampling_var: float, samples: int, new_samples: int) -> Components:
+    """The components of a paired difference evaluated with `new_samples` per question instead of `samples`: its
+    residual holds both policies' sampling noise (`sampling_var`, the sum of sampling_variance of the two), which
+    scales as 1/k; the rest of the residual (seed x question interaction) does not."""
+    residual = components.residual + sampling_var * (samples / new_samples - 1)
+    return Components(components.seed, components.question, max(0.0, residual))
+
+
 def se_of_mean(components: Components, S: int, Q: int) -> float:
     """Standard error of the mean difference over S seeds x Q questions under the crossed model."""
     c = components

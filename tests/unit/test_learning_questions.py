@@ -142,3 +142,13 @@ def test_the_cli_prints_the_tables_and_refuses_a_missing_file(tmp_path: Path, ca
     out = capsys.readouterr().out
     assert "## arith-primary" in out and "| E1 grpo - sft | eval_test | 2 x 4 | +0.250 |" in out
     assert lp.main(["nothing", "--root", str(tmp_path)]) == 2
+
+
+def test_a_baseline_pilot_plans_the_comparisons_between_algorithms(tmp_path: Path) -> None:
+    design = lp.Design(primary_family="", plan_as_primary="arith", bootstrap_samples=200)
+    rows = lp.design_table("arith", small_record(tmp_path)["arith"], design)["rows"]
+    assert [r[0] for r in rows] == ["E1 grpo - sft", "E2, E3 (planned: seed variance x2)"]
+    # the comparison between two trained policies carries twice the baseline's seed variance
+    assert float(rows[1][2]) == pytest.approx(2 * float(rows[0][2]), rel=1e-2)
+    # planned at Holm's first step over the 5 primaries (0.05 / 5) though the pilot itself claims nothing
+    assert "alpha 0.01" in lp.design_table("arith", small_record(tmp_path)["arith"], design)["columns"][5]

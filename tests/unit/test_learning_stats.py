@@ -164,3 +164,14 @@ def test_design_grid_picks_fewest_seeds_then_fewest_questions() -> None:
     g = st.design_grid(st.Components(0.0, 0.04, 0.0), [3, 5], [64, 80, 400], 0.05, 0.07)
     assert (g["best"]["seeds"], g["best"]["questions"]) == (3, 80)
     assert st.design_grid(st.Components(1.0, 0.0, 0.0), [3], [80], 0.05, 0.07)["best"] is None
+
+
+def test_sampling_noise_scales_with_the_samples_per_question() -> None:
+    # 2 samples: c = 1 gives p(1-p) = 1*1/(2*1) = 0.5, c = 0 or 2 gives 0; mean over 4 cells 0.25, over k: 0.125
+    assert st.sampling_variance(np.array([[1, 0], [2, 1]]), 2) == pytest.approx(0.125)
+    c = st.Components(seed=1e-3, question=2e-3, residual=0.05)
+    # from 4 samples to 1: the sampling part 0.04 becomes 0.16, the interaction 0.01 stays
+    assert st.at_samples(c, 0.04, 4, 1) == st.Components(1e-3, 2e-3, pytest.approx(0.17))
+    assert st.at_samples(c, 0.04, 4, 4) == c
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        st.sampling_variance(np.ones((1, 3)), 1)
