@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root).resolve()
     args.root = str(root)
     official = root == Path(parse_args([]).root).resolve()  # the experiment, not a smoke run into another root
-    provenance = commit_state()
+    provenance = commit_state(ignore=("bench/results/",))  # its own records, written by earlier invocations
     if official and provenance[1] and not args.allow_dirty:
         raise SystemExit("error: the checkout has uncommitted changes, and a learning record must name the code it ran "
                          "(docs/benchmarks.md, the protocol). Commit them, or run from a clean worktree "

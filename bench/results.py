@@ -46,9 +46,12 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def commit_state() -> tuple[str | None, bool]:
-    """The checkout's short commit, and whether tracked files differ from it."""
-    return _git("rev-parse", "--short", "HEAD"), bool(_git("status", "--porcelain", "--untracked-files=no"))
+def commit_state(ignore: tuple[str, ...] = ()) -> tuple[str | None, bool]:
+    """The checkout's short commit, and whether tracked files differ from it (outside the `ignore` prefixes: a
+    bench's own records, which it rewrites, are not the code it ran)."""
+    status = _git("status", "--porcelain", "--untracked-files=no") or ""
+    changed = [line[3:] for line in status.splitlines() if line[3:] and not line[3:].startswith(ignore)]
+    return _git("rev-parse", "--short", "HEAD"), bool(changed)
 
 
 def write_result(name: str, figures: dict[str, Any], *, summary: str, what: str, command: str,
