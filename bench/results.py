@@ -49,8 +49,8 @@ def _git(*args: str) -> str | None:
 def commit_state(ignore: tuple[str, ...] = ()) -> tuple[str | None, bool]:
     """The checkout's short commit, and whether tracked files differ from it (outside the `ignore` prefixes: a
     bench's own records, which it rewrites, are not the code it ran)."""
-    status = _git("status", "--porcelain", "--untracked-files=no") or ""
-    changed = [line[3:] for line in status.splitlines() if line[3:] and not line[3:].startswith(ignore)]
+    changed = [path for path in (_git("diff", "--name-only", "HEAD") or "").splitlines()  # staged or not
+               if not path.startswith(ignore)]
     return _git("rev-parse", "--short", "HEAD"), bool(changed)
 
 
