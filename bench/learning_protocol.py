@@ -249,20 +249,30 @@ def markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in table["rows"]])
 
 
+def design_for(split: str) -> Design:
+    """The protocol's design for a record on `split`: the test split's carries the claims; a validation record (a
+    choice of setting) claims nothing (no Holm family) and plans the primary family's confirmatory run."""
+    return Design() if split == "eval_test" else Design(primary_family="", plan_as_primary=Design.primary_family)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the learning bench's protocol tables from a per-question file")
     parser.add_argument("record", help="the record's name, e.g. learning (bench/results/per-question/<record>.json)")
     parser.add_argument("--root", default=str(PER_QUESTION_DIR))
     parser.add_argument("--alpha", type=float, default=Design.alpha)
     parser.add_argument("--target-mde", type=float, default=Design.target_mde)
-    parser.add_argument("--primary-family", default=Design.primary_family)
+    parser.add_argument("--primary-family", default=None, help="default: the protocol's (none on the validation split)")
     args = parser.parse_args(argv)
-    design = replace(Design(), alpha=args.alpha, target_mde=args.target_mde, primary_family=args.primary_family)
     try:
         per_question = read_per_question(args.record, Path(args.root))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    splits = {family.split for family in per_question.values()}
+    design = replace(design_for(splits.pop() if len(splits) == 1 else "eval_test"), alpha=args.alpha,
+                     target_mde=args.target_mde)
+    if args.primary_family is not None:
+        design = replace(design, primary_family=args.primary_family)
     for name, table in protocol_tables(per_question, design).items():
         print(f"\n## {name}\n\n{markdown(table)}")
     return 0

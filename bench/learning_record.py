@@ -76,7 +76,7 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
     a recomputation from the repository agree (tests/unit/test_learning_provenance.py)."""
     from learning_report import step_table
 
-    from bench.learning_protocol import Design, protocol_tables
+    from bench.learning_protocol import design_for, protocol_tables
     from bench.learning_questions import family_payload, headline_figures, read_per_question, write_per_question
 
     name = record_name(args)
@@ -92,9 +92,7 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
     write_per_question(name, {family: family_payload(list(runs.values())) for family, runs in results.items()})
     per_question = read_per_question(name)
     figures: dict[str, Any] = headline_figures(per_question)
-    # a choice of setting on the validation split claims nothing: its endpoints are all exploratory (no Holm family)
-    design = Design() if args.split == "eval_test" else Design(primary_family="", plan_as_primary=Design.primary_family)
-    tables.update(protocol_tables(per_question, design))
+    tables.update(protocol_tables(per_question, design_for(args.split)))
     figures["bench_wall_min"] = bench_wall_min(root, name)
     families = sorted({k.split("_")[0] for k in figures if k.endswith("_sft")})
     policies = "; ".join(f"`{f}`: SFT {{{f}_sft:.3f}} -> " + ", ".join(

@@ -20,6 +20,18 @@ def test_every_learning_record_names_its_code_and_reproduces_from_its_per_questi
     assert not problems, "broken learning records:\n" + "\n".join(problems)
 
 
+def test_every_learning_records_protocol_tables_reproduce_from_its_per_question_file() -> None:
+    """Every interval, p-value, MDE and verdict of a record, recomputed from the committed counts alone (the bootstrap
+    is seeded by the design): the same cells."""
+    from bench.learning_protocol import design_for, protocol_tables
+
+    for path in RECORDS:
+        record = json.loads(path.read_text())
+        tables = protocol_tables(lq.read_per_question(path.stem), design_for(record["conditions"]["split"]))
+        stored = {name: record["tables"].get(name) for name in tables}
+        assert stored == tables, f"{path.stem}: its protocol tables differ from the per-question file's"
+
+
 def _head() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=lq.PROJECT_ROOT, capture_output=True,
                           text=True, check=True).stdout.strip()
