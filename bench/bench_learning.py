@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--algos", default=",".join(ALGOS), help="RL algorithms; empty: SFT's evaluations only")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="the protocol's design: 5 seeds (docs/benchmarks.md)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: learning.yaml)")
     parser.add_argument("--split", choices=SPLITS, default="eval_test",
                         help="where the policies are evaluated: eval_test (the held-out test split: the protocol's "
