@@ -59,30 +59,35 @@ class EngineSpec:
         return [r.why for r in self.refuses if r.applies(rl)]
 
 
+# The verl release this project runs on: the one statement in code. requirements/verl-gpu.txt and verl-test.txt pin
+# the same (tests/unit/test_algorithm_spec.py checks), scripts/setup-verl.sh checks the installed one; messages and
+# docstrings read it from here or say "verl".
+VERL_VERSION = "0.9.1"
+
 SPECS: tuple[EngineSpec, ...] = (
     EngineSpec("local"),
     EngineSpec(
-        "verl", cluster=True, package="verl", version="0.9.1", priced=True, refuses=(
+        "verl", cluster=True, package="verl", version=VERL_VERSION, priced=True, refuses=(
             Refusal((Setting("rollout.entropy_quantity", "full"),),
                     "rl.rollout.entropy_quantity=full needs the whole distribution, which verl's servers do not "
                     "return; with rl.engine=verl use topk (our top-k server replica) or surprisal (the stock server)"),
             Refusal((Setting("trainer.old_logprobs", "rollout"),),
-                    "rl.trainer.old_logprobs=rollout runs on the local engine only: verl 0.9.1's trainer always "
-                    "recomputes the old log-probs (its compute_log_prob pass). Use old_logprobs=auto (recompute under "
-                    "verl) with rl.engine=verl, or rl.engine=local"),
+                    f"rl.trainer.old_logprobs=rollout runs on the local engine only: verl {VERL_VERSION}'s trainer "
+                    "always recomputes the old log-probs (its compute_log_prob pass). Use old_logprobs=auto "
+                    "(recompute under verl) with rl.engine=verl, or rl.engine=local"),
             Refusal((Setting("loss.aggregation", "micro_token_mean"),),
                     "rl.loss.aggregation=micro_token_mean (the reference's per-micro-batch token mean) runs on the "
-                    "local engine only: verl 0.9.1 normalises a token mean over the global mini-batch (agg_loss with "
-                    "batch_num_tokens of all ranks) and has no per-micro-batch mode. Use aggregation=token_mean with "
-                    "rl.engine=verl, or rl.engine=local"),
+                    f"local engine only: verl {VERL_VERSION} normalises a token mean over the global mini-batch "
+                    "(agg_loss with batch_num_tokens of all ranks) and has no per-micro-batch mode. Use "
+                    "aggregation=token_mean with rl.engine=verl, or rl.engine=local"),
             Refusal((Setting("advantage.entropy_aware", True), Setting("advantage.entropy_scope", "micro_batch")),
-                    "rl.advantage.entropy_scope=micro_batch runs on the local engine only: verl 0.9.1 hands a policy "
-                    "loss no entropies (workers/utils/losses.py ppo_loss), so the current policy's entropy cannot "
-                    "reach the advantage inside the loss. Use entropy_scope=step (the old policy's entropies over "
-                    "the step, from verl's old-log-prob pass)"),
+                    f"rl.advantage.entropy_scope=micro_batch runs on the local engine only: verl {VERL_VERSION} "
+                    "hands a policy loss no entropies (workers/utils/losses.py ppo_loss), so the current policy's "
+                    "entropy cannot reach the advantage inside the loss. Use entropy_scope=step (the old policy's "
+                    "entropies over the step, from verl's old-log-prob pass)"),
         )),
 )
 
 ENGINES: Registry[EngineSpec] = Registry("engine capability", {spec.name: spec for spec in SPECS})
 
-__all__ = ["ENGINES", "SPECS", "EngineSpec", "Refusal"]
+__all__ = ["ENGINES", "SPECS", "VERL_VERSION", "EngineSpec", "Refusal"]

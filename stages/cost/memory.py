@@ -8,7 +8,7 @@ Each phase is the sum of what is resident on the GPU (FSDP shards, optimizer sta
 the phase materialises at its worst micro-batch: verl's dynamic-batching partition of one GPU's sequences is
 re-computed (stages/cost/partition.py) over `cost.response_length_mix`, padded to each micro-batch's longest
 sequence when remove-padding is off (`rl.verl.remove_padding`, resolved as the mapping resolves it). The counts of
-full-vocabulary copies are read from verl 0.9.1's code (the docs list file:line); the log-prob pass's logits working
+full-vocabulary copies are read from the pinned verl's code (the docs list file:line); the log-prob pass's logits working
 set is checked on CPU by bench/bench_memory_model.py.
 """
 
@@ -87,7 +87,7 @@ def sequence_lengths(mix: list[tuple[float, float]], count: int, prompt: int, re
 
 def logits_bytes(mb: MicroBatch, vocab: int, dtype_bytes: int, remove_padding: bool, pass_: str,
                  temperature: float = 1.0, chunked_entropy: bool = False) -> int:
-    """The full-vocabulary tensors alive at once in one micro-batch (verl 0.9.1's FSDP engine, docs/plan.md):
+    """The full-vocabulary tensors alive at once in one micro-batch (verl's FSDP engine, docs/plan.md):
 
     no remove-padding: the model's logits are [rows, longest, V] (transformer_impl.py:1477); entropy (old log-prob
     only) is unchunked there (:1489-1493): softmax + one temporary beside the logits; then the real tokens are packed

@@ -1,4 +1,4 @@
-"""verl 0.9.1's dynamic-batching micro-batch partition, re-computed without verl (docs/plan.md "Memory").
+"""The pinned verl's dynamic-batching micro-batch partition, re-computed without verl (docs/plan.md "Memory").
 
 `rearrange_micro_batches` (verl/utils/seqlen_balancing.py:348-504) splits one GPU's sequences into
 `ceil(total tokens / budget)` micro-batches (at most one per sequence), balanced by the attention workload

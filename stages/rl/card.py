@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from stages.core.algorithm_spec import ALGORITHMS, AlgorithmSpec
 from stages.core.config.rl import RLSection, RolloutSection
+from stages.core.engine_spec import VERL_VERSION
 from stages.core.registry import Registry
 from stages.rl.reference_code import DOC, NO_DUAL_CLIP, ReferenceSetting, reference_for
 from stages.rl.strategies import BRANCH_RULES
@@ -87,7 +88,7 @@ def trained_verl(rl: RLSection) -> Trained:
                    inverse(AGG_MODES, o[f"{actor}loss_agg_mode"]), kl_coef,
                    inverse(KL_TYPES, o[f"{actor}kl_loss_type"]), float(o[f"{actor}entropy_coeff"]),
                    o["+reward.custom_reward_function.reward_kwargs.reward"],
-                   "read back from the verl 0.9.1 overrides of stages.rl.verl.mapping")
+                   f"read back from the verl {VERL_VERSION} overrides of stages.rl.verl.mapping")
 
 
 def _row(mechanism: str, value: str, reference: str, why: str = "", anchor: str = "", same: bool | None = None,

@@ -4,8 +4,9 @@
        dtype: str) -> CheckpointRef        (stage = the content-addressed stage folder run_rl made)
 
 - `local`: the one-process trainer (stages/rl/trainer.py) on one device; returns a `trainer` checkpoint.
-- `verl`: verl 0.9.1's PPO trainer over Ray with our plugin (stages/rl/verl/); returns a `verl_fsdp` checkpoint
-  (the actor folder of the last `global_step_<N>`), which the merge stage turns into an HF folder.
+- `verl`: verl's PPO trainer (the version its line in stages/core/engine_spec.py names) over Ray with our plugin
+  (stages/rl/verl/); returns a `verl_fsdp` checkpoint (the actor folder of the last `global_step_<N>`), which the
+  merge stage turns into an HF folder.
 """
 
 from __future__ import annotations

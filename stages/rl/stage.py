@@ -37,7 +37,7 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
            output_root: str | Path, cache_root: str | Path, seed: int = 0, force: bool = False,
            dtype: str = "float32") -> CheckpointRef:
     """Train `policy` with GRPO / ARPO / AEPO on `data`'s rl_train file with the engine `cfg.engine` (local: this
-    process; verl: verl 0.9.1 over Ray); returns the final checkpoint. `dtype` is model.dtype.
+    process; verl: verl over Ray); returns the final checkpoint. `dtype` is model.dtype.
 
     With `cfg.enabled` false the policy is passed through (a ModelRef becomes an hf CheckpointRef).
     """

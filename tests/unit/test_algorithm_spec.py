@@ -4,6 +4,7 @@ the table alone. The engine table (stages/core/engine_spec.py) likewise says wha
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from stages.core.algorithm_spec import (
 )
 from stages.core.config.loader import ConfigError, load_config
 from stages.core.config.rl import RolloutSection
+from stages.core.env import PROJECT_ROOT
 from stages.core.registry import find_registry
 
 # a made-up algorithm: a tree with a plain branch rule, the entropy-aware advantage (also AEPO's) and a KL penalty
@@ -149,7 +151,13 @@ def test_the_engine_table_answers_what_each_engine_can_do() -> None:
     rl = RLSection(engine="verl", verl={"nnodes": 2, "n_gpus_per_node": 8})
     assert verl.devices(rl) == 16 and local.devices(rl) == 1
     assert devices(load_config("arpo-qwen2.5-7b-reasoning", [])) == 8
-    assert (verl.package, verl.version, verl.priced, local.package, local.priced) == ("verl", "0.9.1", True, "", False)
+    assert (verl.package, verl.priced, local.package, local.version, local.priced) == ("verl", True, "", "", False)
+    # the version the line names is the one the requirements files pin (they install it; the line states it to code)
+    pins = {f: re.findall(r"^verl(?:\[[\w,]+\])?==(\S+)", (PROJECT_ROOT / "requirements" / f).read_text(), re.M)
+            for f in ("verl-gpu.txt", "verl-test.txt")}
+    assert pins == {"verl-gpu.txt": [verl.version], "verl-test.txt": [verl.version]}
+    # docs/reference.md's sources name it once: the version every verl file:line in docs/ was read from
+    assert f"| verl {verl.version} | the pinned package" in (PROJECT_ROOT / "docs" / "reference.md").read_text()
     # a setting an engine cannot run is refused by its line when the config loads, with the fix
     with pytest.raises(ConfigError, match="entropy_scope=micro_batch runs on the local engine only"):
         load_config("arpo-qwen2.5-7b-reasoning", ["rl.algorithm=aepo", "rl.advantage.entropy_scope=micro_batch"])

@@ -18,6 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from stages.core.config.rl_engine import VerlSection
+from stages.core.engine_spec import VERL_VERSION
 from stages.core.env import PROJECT_ROOT
 from stages.rl.verl import resources
 
@@ -75,7 +76,7 @@ def test_the_lock_is_the_cuda_13_stack_the_driver_check_guards():
     wheel metadata), vLLM 0.24.0 (requires torch==2.11.0), CUDA 13 libraries only (no cu12 wheel beside them), so
     driver >= 580 (CUDA 13.x's minimum driver branch)."""
     pins = {name: version for name, (version, _) in read_lock(LOCK).items()}
-    assert (pins["torch"], pins["vllm"], pins["verl"], pins["transformers"]) == ("2.11.0", "0.24.0", "0.9.1", "5.9.0")
+    assert (pins["torch"], pins["vllm"], pins["verl"], pins["transformers"]) == ("2.11.0", "0.24.0", VERL_VERSION, "5.9.0")
     assert pins["cuda-toolkit"].split(".")[0] == "13" and pins["nvidia-cuda-runtime"].split(".")[0] == "13"
     assert not [name for name in pins if name.endswith("-cu12")]
     assert "flash-attn" not in pins  # sdist-only on PyPI: the attention route is sdpa (docs/decisions.md)

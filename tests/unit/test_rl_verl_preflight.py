@@ -1,7 +1,7 @@
 """What a first GPU run of the verl engine would hit, fixed before it runs: the attention verl asks for, the FSDP
 version of its checkpoints, the trainer mode verl compares with "sync", partial trees, and resources (Ray CPUs
 that TransferQueue reserves, vLLM's memory share per device kind). Pure parts; tests/verl checks them against
-verl 0.9.1 itself."""
+the pinned verl itself."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The `verl` RL engine: verl 0.9.1 on Ray trains the policy, our algorithm runs inside it (docs/rl.md).
+"""The `verl` RL engine: verl on Ray (its version: stages/core/engine_spec.py) trains the policy, our algorithm runs
+inside it (docs/rl.md).
 
 Modules without a verl import (usable from the project venv): `settings` (what the plugin reads in every Ray
 process), `tree` (our TreeRollout over verl's LLM-server generate API), `mapping` (our config -> verl hydra

@@ -1,6 +1,6 @@
 """verl on a CPU box (`run.device: cpu` with `rl.engine: verl`): rehearsals and the CPU smoke run.
 
-verl 0.9.1 has no CPU platform; `stages.rl.verl.cpu_platform` adds one (imported before our plugin in every verl
+verl has no CPU platform; `stages.rl.verl.cpu_platform` adds one (imported before our plugin in every verl
 process, before the modules of rl.verl.plugin_modules), CPU_OVERRIDES turn off what vLLM and FSDP cannot do on a CPU,
 and CPU_ENV leaves memory pressure to the kernel. `rl.verl.cpu_mode: true` switches all three on. Each item is listed
 with the verl error it answers in docs/rl.md ("verl on the CPU"). The boundary: the config refuses cpu_mode unless

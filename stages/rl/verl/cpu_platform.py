@@ -1,4 +1,4 @@
-"""verl 0.9.1's missing CPU platform (stages/rl/verl/cpu_mode.py says when it loads: run.device cpu only).
+"""verl's missing CPU platform (stages/rl/verl/cpu_mode.py says when it loads: run.device cpu only).
 
 Named in rl.verl.plugin_modules, so the launcher puts it before our plugin in VERL_USE_EXTERNAL_MODULES and every
 verl process imports it on `import verl`, before verl's first device query. Each patch is listed with the verl error

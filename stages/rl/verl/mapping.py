@@ -1,4 +1,4 @@
-"""Our resolved config -> verl 0.9.1 hydra overrides for `python -m verl.trainer.main_ppo` (pure; table in docs/rl.md).
+"""Our resolved config -> verl hydra overrides for `python -m verl.trainer.main_ppo` (pure; table in docs/rl.md).
 
 Everything verl does not model (the rollout tree, tools, branching, AEPO, advantage options, seeds) reaches our
 plugin through the settings file (`stages.rl.verl.settings`), named by the ARPO_VERL_SETTINGS variable that this

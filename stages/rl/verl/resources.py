@@ -1,6 +1,6 @@
 """Resource pre-flight of the verl engine, before Ray starts (no verl import; the pure checks are unit-tested).
 
-What verl 0.9.1 reserves, and what happens when it cannot have it:
+What the pinned verl (stages/core/engine_spec.py) reserves, and what happens when it cannot have it:
 
 - Ray CPUs, held for the whole run: TransferQueue's controller actor (`@ray.remote(num_cpus=1)`,
   transfer_queue/controller.py:943 of TransferQueue 0.1.11), one per SimpleStorage unit (`@ray.remote(num_cpus=1)`,
