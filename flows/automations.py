@@ -2,8 +2,9 @@
 
 A flow run whose process dies outright (SIGKILL, out of memory, a lost machine) cannot report its own end, so the
 server would show it Running forever. Every flow run sends a heartbeat event every PREFECT_FLOWS_HEARTBEAT_FREQUENCY
-seconds (30 here: stages/core/env.py, prefect.toml, the work pools' job variables in prefect.yaml); this automation
-marks a run Crashed once it has gone `after_s` seconds without a heartbeat or a final state (Prefect's documented
+seconds (HEARTBEAT_S: prefect.toml's `flows.heartbeat_frequency`, which stages/core/env.py passes on and prefect.yaml's
+work pools get generated); this automation marks a run Crashed once it has gone `after_s` seconds (CRASH_AFTER_S
+unless `arpo server start --crash-after` says otherwise) without a heartbeat or a final state (Prefect's documented
 zombie-flow recipe, docs/v3/advanced/detect-zombie-flows). The rerun then resumes: finished stages come from cache,
 SFT and RL continue from their last checkpoints, and say so in their logs.
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from stages.core.env import prefect_settings
+
 CRASH_AUTOMATION = "arpo: mark flow runs without heartbeats Crashed"
-HEARTBEAT_S = 30
-CRASH_AFTER_S = 180  # six missed heartbeats: a loaded 2-core box delays a beat, it does not skip six
+HEARTBEAT_S: int = prefect_settings()["flows"]["heartbeat_frequency"]
+CRASH_AFTER_S = 6 * HEARTBEAT_S  # six missed heartbeats: a loaded 2-core box delays a beat, it does not skip six
 
 
 def crash_silent_runs(api_url: str, after_s: int = CRASH_AFTER_S) -> None:

@@ -12,6 +12,7 @@ import os
 import sys
 
 from flows import extra_commands, rehearse_commands
+from flows.automations import CRASH_AFTER_S
 from flows.launch import ServerLost, run_pipeline
 from flows.server import default_port, start_prefect_server
 from stages.core.env import configure_environment
@@ -60,12 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(config)
     config.set_defaults(handler=cmd_config)
 
-    server = sub.add_parser("server", help="the local Prefect server (web UI at http://127.0.0.1:4200)")
+    server = sub.add_parser("server", help=f"the local Prefect server (web UI at http://127.0.0.1:{default_port()})")
     server.add_argument("action", choices=["start", "stop", "status"])
-    server.add_argument("--port", type=int, default=None, help="default: the port of prefect.toml's api.url (4200)")
+    server.add_argument("--port", type=int, default=None,
+                        help=f"default: the port of prefect.toml's api.url ({default_port()})")
     server.add_argument("--crash-after", type=int, default=None, metavar="SECONDS",
-                        help="mark a flow run Crashed after this long without a heartbeat (default "
-                             "180; 0 = never)")
+                        help=f"mark a flow run Crashed after this long without a heartbeat (default "
+                             f"{CRASH_AFTER_S}; 0 = never)")
     server.set_defaults(handler=cmd_server)
 
     cost_plan = sub.add_parser("plan", help="what a run will cost before it starts: prompts, tokens, tool and search "

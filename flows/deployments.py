@@ -1,9 +1,10 @@
 """Registering prefect.yaml's deployments on the local server and running a process worker for them, and writing
-the file's stage deployments: one `stage-<name>` per deployment of the stage table (stages/core/stage_spec.py),
-generated between two marker lines, never typed.
+the file's two generated sections, each between two marker lines, never typed: the stage deployments, one
+`stage-<name>` per deployment of the stage table (stages/core/stage_spec.py), and the work pools' job variables,
+which carry prefect.toml's heartbeat to every flow run a worker starts (a worker's flow run does not read the file).
 
-    python -m flows.deployments            # print the generated section
-    python -m flows.deployments --write    # rewrite it in prefect.yaml (`arpo deploy` does this before registering)
+    python -m flows.deployments            # print the generated sections
+    python -m flows.deployments --write    # rewrite them in prefect.yaml (`arpo deploy` does this before registering)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from stages.core import services
-from stages.core.env import PROJECT_ROOT
+from stages.core.env import PROJECT_ROOT, prefect_settings
 from stages.core.stage_spec import StageTable
 from stages.core.stage_spec import table as stage_table
 
@@ -22,6 +23,8 @@ WORK_POOLS = {"arpo-cpu": None, "arpo-gpu": 1}  # pool -> concurrency limit (one
 PREFECT_YAML = PROJECT_ROOT / "prefect.yaml"
 START = "  # <stage-deployments:start> generated from stages/core/stage_spec.py: python -m flows.deployments --write"
 END = "  # <stage-deployments:end>"
+JOB_START = "  # <job-variables:start> generated from prefect.toml: python -m flows.deployments --write"
+JOB_END = "  # <job-variables:end>"
 
 
 def _prefect(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -43,7 +46,7 @@ def create_work_pools() -> None:
 def register_deployments() -> list[str]:
     import yaml
 
-    write_stage_deployments()  # a stage added to the table since the file was written is deployed too
+    write_generated()  # a stage added to the table since the file was written is deployed too
     _prefect("deploy", "--all", "--prefect-file", str(PREFECT_YAML))
     spec = yaml.safe_load(PREFECT_YAML.read_text())
     return [d["name"] for d in spec["deployments"]]
@@ -58,20 +61,38 @@ def stage_deployments(table: StageTable | None = None) -> str:
     return "\n".join([START, *lines, END])
 
 
+def job_variables() -> str:
+    """The prefect.yaml lines of the work pools' job variables: the heartbeat of prefect.toml, so every flow run a
+    worker starts beats at the rate the server's crash automation expects (flows/automations.py)."""
+    beat = prefect_settings()["flows"]["heartbeat_frequency"]
+    return "\n".join([JOB_START, "  job_variables: &job_variables",
+                      f'    env: {{PREFECT_FLOWS_HEARTBEAT_FREQUENCY: "{beat}"}}', JOB_END])
+
+
+def _written(text: str, start: str, end: str, where: str) -> str:
+    if start not in text or end not in text:
+        raise ValueError(f"prefect.yaml has no generated {where} section: restore the lines {start!r} and {end!r}, "
+                         "then run python -m flows.deployments --write")
+    return text[text.index(start):text.index(end) + len(end)]
+
+
 def written_stage_deployments(text: str) -> str:
-    """The generated section as it stands in prefect.yaml's `text`."""
-    if START not in text or END not in text:
-        raise ValueError(f"prefect.yaml has no generated stage-deployment section: restore the lines {START!r} and "
-                         f"{END!r} under `deployments:`, then run python -m flows.deployments --write")
-    return text[text.index(START):text.index(END) + len(END)]
+    """The generated stage deployments as they stand in prefect.yaml's `text` (under `deployments:`)."""
+    return _written(text, START, END, "stage-deployment")
 
 
-def write_stage_deployments(path: Path = PREFECT_YAML) -> bool:
-    """Rewrite the generated section of `path`; True when it changed."""
+def written_job_variables(text: str) -> str:
+    """The generated job variables as they stand in prefect.yaml's `text` (under `definitions:`)."""
+    return _written(text, JOB_START, JOB_END, "job-variables")
+
+
+def write_generated(path: Path = PREFECT_YAML) -> bool:
+    """Rewrite both generated sections of `path`; True when it changed."""
     from stages.core.atomic import write_text
 
     text = path.read_text()
     new = text.replace(written_stage_deployments(text), stage_deployments())
+    new = new.replace(written_job_variables(new), job_variables())
     if new != text:
         write_text(path, new)
     return new != text
@@ -85,6 +106,6 @@ def start_worker(pool: str) -> services.Service:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        print("prefect.yaml: " + ("stage deployments rewritten" if write_stage_deployments() else "up to date"))
+        print("prefect.yaml: " + ("generated sections rewritten" if write_generated() else "up to date"))
     else:
-        print(stage_deployments())
+        print(job_variables(), stage_deployments(), sep="\n")

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import os
 import sys
-import tomllib
+from urllib.parse import urlparse
 
-from stages.core.env import PROJECT_ROOT
-
-DEFAULT_PORT = 4200
+from stages.core.env import prefect_settings
 
 
 def start_prefect_server(port: int | None = None, crash_after: int | None = None):
@@ -35,20 +33,19 @@ def start_prefect_server(port: int | None = None, crash_after: int | None = None
     return service
 
 
-def project_api_url() -> str | None:
+def project_api_url() -> str:
     """The API URL in the project's prefect.toml: what `prefect` commands typed in the project folder talk to."""
-    path = PROJECT_ROOT / "prefect.toml"
-    if not path.is_file():
-        return None
-    return tomllib.loads(path.read_text()).get("api", {}).get("url")
+    return prefect_settings()["api"]["url"]
 
 
 def default_port() -> int:
-    """The port of prefect.toml's api.url, so `arpo server start` serves where `prefect` commands look."""
-    from urllib.parse import urlparse
-
-    url = project_api_url()
-    return (urlparse(url).port if url else None) or DEFAULT_PORT
+    """The port of prefect.toml's api.url (the one place it is set), so `arpo server start` serves where `prefect`
+    commands look."""
+    port = urlparse(project_api_url()).port
+    if port is None:
+        raise ValueError(f"prefect.toml's api.url {project_api_url()!r} names no port: write one, e.g. "
+                         "http://127.0.0.1:<port>/api")
+    return port
 
 
 def use_local_server_if_running(ephemeral: bool = False) -> str | None:

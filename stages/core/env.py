@@ -7,16 +7,27 @@ user already exported win.
 
 from __future__ import annotations
 
+import functools
 import os
+import tomllib
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+@functools.cache
+def prefect_settings() -> dict:
+    """The project's prefect.toml, what `prefect` reads in this folder: the one statement of the server's URL (its
+    port), Prefect's home, the flow runs' heartbeat and the log batching. Code reads them from here (a process
+    started outside the folder does not read the file, so `local_environment` passes them on)."""
+    return tomllib.loads((PROJECT_ROOT / "prefect.toml").read_text(encoding="utf-8"))
+
+
 def local_environment(project_root: Path = PROJECT_ROOT, cache_root: str | Path = ".cache") -> dict[str, str]:
     root = Path(project_root).resolve()
     cache = (root / cache_root).resolve()
-    prefect = root / ".prefect"
+    toml = prefect_settings()
+    prefect = root / toml["home"]
     return {
         "HF_HOME": str(cache / "hf"),
         "HF_HUB_CACHE": str(cache / "hf" / "hub"),
@@ -32,9 +43,10 @@ def local_environment(project_root: Path = PROJECT_ROOT, cache_root: str | Path 
         "PREFECT_MEMO_STORE_PATH": str(prefect / "memo_store.toml"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
-        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
-        # flow runs beat every 30 s; the server marks one silent for longer Crashed (flows/automations.py)
-        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": str(toml["logging"]["to_api"]["batch_interval"]),
+        # flow runs beat at prefect.toml's rate wherever they start; the server marks a silent one Crashed
+        # (flows/automations.py)
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(toml["flows"]["heartbeat_frequency"]),
         # a run without a server starts an ephemeral one; on a loaded 2-core box that takes longer than 20 s
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "RAY_AUTH_MODE": "disabled",

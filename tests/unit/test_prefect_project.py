@@ -4,6 +4,7 @@ heartbeat settings agree everywhere, `arpo run` falls back to an ephemeral serve
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -21,8 +22,13 @@ TOML = tomllib.loads((PROJECT_ROOT / "prefect.toml").read_text())
 
 
 def test_prefect_toml_names_the_server_arpo_starts():
-    assert TOML["api"]["url"] == f"http://127.0.0.1:{cli.DEFAULT_PORT}/api"
-    assert cli.project_api_url() == TOML["api"]["url"] and cli.default_port() == cli.DEFAULT_PORT
+    # the port is stated once, in prefect.toml: the server, the CLI's help and the README's address follow it
+    assert TOML["api"]["url"] == f"http://127.0.0.1:{cli.default_port()}/api" == cli.project_api_url()
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    assert set(re.findall(r"http://127\.0\.0\.1:(\d+)", readme)) == {str(cli.default_port())}
+    from flows.cli import build_parser
+
+    assert f"http://127.0.0.1:{cli.default_port()})" in build_parser().format_help()  # `arpo server`'s line
 
 
 def test_a_fresh_shell_in_the_repo_reads_prefect_toml(tmp_path):
@@ -33,12 +39,18 @@ def test_a_fresh_shell_in_the_repo_reads_prefect_toml(tmp_path):
 
 
 def test_every_route_beats_at_the_same_rate():
+    # prefect.toml states the rate; prefect.yaml's work pools carry it in a generated section, env.py passes it on
+    from flows.deployments import PREFECT_YAML, job_variables, written_job_variables
+
+    assert written_job_variables(PREFECT_YAML.read_text()) == job_variables(), \
+        "prefect.yaml's job variables are stale: run python -m flows.deployments --write"
     deployments = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
     pools = deployments["definitions"]["work_pools"].values()
     assert {pool["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] for pool in pools} == {str(HEARTBEAT_S)}
     assert local_environment()["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_S)
     assert TOML["flows"]["heartbeat_frequency"] == HEARTBEAT_S
     assert CRASH_AFTER_S >= 4 * HEARTBEAT_S
+    assert local_environment()["PREFECT_HOME"] == str(PROJECT_ROOT / TOML["home"])
     with pytest.raises(ValueError, match="would crash healthy runs"):
         crash_silent_runs("http://127.0.0.1:1/api", 2 * HEARTBEAT_S)
 
