@@ -120,8 +120,7 @@ def _initial(spec: AlgorithmSpec, ro: RolloutSection) -> str:
 def _rule(spec: AlgorithmSpec, ro: RolloutSection) -> str:
     if not spec.branches:
         return "none"
-    formula = BRANCH_RULES.get(spec.branch_rule).formula  # written once, beside the rule's code
-    return formula.format(tau=ro.branch_probability, w=ro.entropy_weight, p=ro.branch_penalty)
+    return BRANCH_RULES.get(spec.branch_rule).formula(ro)  # written once, beside the rule's code
 
 
 def _counter(spec: AlgorithmSpec, ro: RolloutSection) -> str:

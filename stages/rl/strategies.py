@@ -8,11 +8,13 @@ A strategy answers three questions for the rollout driver, which owns the loop, 
 - whether leftover budget is filled with fresh roots.
 
 The branch rules are BRANCH_RULES, one per rule the table names: the rule's code (stages/rl/branching.py, with the
-reference's lines), its probability over u, and its formula as the algorithm card states it, written once here.
+reference's lines), its probability over u, and its condition, written once here: the algorithm card states it with
+the run's values, and docs/rollout.md's table of rules is generated from it (`python -m stages.rl.rules_doc --write`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,16 +30,29 @@ from stages.rl.branching import (
 )
 
 PROBE = "rollout.dynamic_rollouts"  # the entropy pre-monitoring option: an algorithm that owns it may probe
+# the settings a rule's condition may name, by the symbol it uses for each (`rl.rollout.<setting>`)
+SYMBOLS = {"tau": "branch_probability", "w": "entropy_weight", "p": "branch_penalty"}
 
 
 @dataclass(frozen=True)
 class BranchRule:
-    """formula: the rule as the card states it ({tau}, {w}, {p}: branch_probability, entropy_weight,
-    branch_penalty). decide(ro, u, dH, c): whether a draw u branches. probability(ro, dH, c): P(branch) over u."""
+    """condition: when a candidate makes a copy, over the draw u ~ U[0, 1), the entropy change dH, the penalty
+    counter c and the settings' SYMBOLS. decide(ro, u, dH, c): whether a draw u branches. probability(ro, dH, c):
+    P(branch) over u."""
 
-    formula: str
+    condition: str
     decide: Callable[[RolloutSection, float, float, int], bool]
     probability: Callable[[RolloutSection, float, int], float]
+
+    @property
+    def symbols(self) -> list[str]:
+        """The SYMBOLS its condition names, in SYMBOLS' order."""
+        return [s for s in SYMBOLS if re.search(rf"\b{s}\b", self.condition)]
+
+    def formula(self, ro: RolloutSection) -> str:
+        """The rule as the algorithm card states it, with the values of the rollout settings `ro`."""
+        values = ", ".join(f"{s} = {getattr(ro, SYMBOLS[s])}" for s in self.symbols)
+        return f"branch iff {self.condition}; {values}"
 
 
 def _arpo_decide(ro: RolloutSection, u: float, dh: float, c: int) -> bool:
@@ -57,10 +72,8 @@ def _aepo_probability(ro: RolloutSection, dh: float, c: int) -> float:
 
 
 BRANCH_RULES: Registry[BranchRule] = Registry("branch rule", {
-    "arpo": BranchRule("branch iff clip(u - w dH, 0, 1) <= tau; tau = {tau}, w = {w}", _arpo_decide,
-                       _arpo_probability),
-    "aepo": BranchRule("branch iff clip((u + w dH) max(0, 1 - p c), 0, 1) >= tau; tau = {tau}, w = {w}, p = {p}",
-                       _aepo_decide, _aepo_probability),
+    "arpo": BranchRule("clip(u - w dH, 0, 1) <= tau", _arpo_decide, _arpo_probability),
+    "aepo": BranchRule("clip((u + w dH) max(0, 1 - p c), 0, 1) >= tau", _aepo_decide, _aepo_probability),
 })
 
 

@@ -67,8 +67,8 @@ def with_xpo(monkeypatch):
     from stages.rl.strategies import BRANCH_RULES, BranchRule
 
     monkeypatch.setitem(ALGORITHMS._entries, "xpo", XPO)
-    monkeypatch.setitem(BRANCH_RULES._entries, "threshold", BranchRule("branch iff u <= tau; tau = {tau}",
-                                                                       threshold_decide, threshold_probability))
+    monkeypatch.setitem(BRANCH_RULES._entries, "threshold", BranchRule("u <= tau", threshold_decide,
+                                                                       threshold_probability))
 
 
 def test_the_config_stage_rollout_and_card_follow_an_extra_line(with_xpo) -> None:

@@ -190,3 +190,17 @@ def test_strategies_from_the_algorithm_table():
     assert aepo.probe and aepo.initial_rollouts(0.0, 1.0) == dynamic_initial_rollouts(6, 0.0, 1.0, 0.5)
     with pytest.raises(UnknownNameError, match="Known: \\['aepo', 'arpo', 'grpo'\\]"):
         get_strategy("apro", cfg)
+
+
+def test_docs_rollout_holds_the_generated_branch_rules() -> None:
+    # each rule's condition is written once (BRANCH_RULES); docs/rollout.md's table is generated from it
+    from stages.rl import rules_doc
+    from stages.rl.strategies import BRANCH_RULES
+
+    assert rules_doc.documented() == rules_doc.table(), \
+        "docs/rollout.md's branch rules are stale: run python -m stages.rl.rules_doc --write"
+    # by hand: ARPO's rule names tau and w, AEPO's also the penalty p; the card fills in the run's values
+    assert [BRANCH_RULES.get(n).symbols for n in ("arpo", "aepo")] == [["tau", "w"], ["tau", "w", "p"]]
+    ro = RolloutSection(branch_probability=0.5, entropy_weight=0.2, branch_penalty=0.05)
+    assert BRANCH_RULES.get("aepo").formula(ro) == \
+        "branch iff clip((u + w dH) max(0, 1 - p c), 0, 1) >= tau; tau = 0.5, w = 0.2, p = 0.05"

@@ -1,0 +1,47 @@
+"""The branch rules' table in docs/rollout.md, generated from BRANCH_RULES (stages/rl/strategies.py), where each
+rule's condition is written once beside its code. No stage imports this module, so it is part of no key.
+
+    python -m stages.rl.rules_doc            # print the table
+    python -m stages.rl.rules_doc --write    # rewrite it in docs/rollout.md (tests/unit/test_rl_branching.py checks)
+"""
+
+from __future__ import annotations
+
+import sys
+
+from stages.core.algorithm_spec import ALGORITHMS
+from stages.core.env import PROJECT_ROOT
+from stages.rl.strategies import BRANCH_RULES, SYMBOLS
+
+DOC = PROJECT_ROOT / "docs" / "rollout.md"
+START, END = "<!-- branch-rules:start -->", "<!-- branch-rules:end -->"
+
+
+def table() -> str:
+    """One row per rule: its name, its condition, the algorithms whose line names it; then what the symbols are."""
+    rows = ["| branch rule | a candidate makes a copy iff | `rl.algorithm` |", "|---|---|---|"]
+    for name in BRANCH_RULES.names():
+        users = [a for a in ALGORITHMS.names() if ALGORITHMS.get(a).branches and ALGORITHMS.get(a).branch_rule == name]
+        rows.append(f"| `{name}` | `{BRANCH_RULES.get(name).condition}` | {', '.join(f'`{u}`' for u in users)} |")
+    legend = ", ".join(f"{symbol} = `{setting}`" for symbol, setting in SYMBOLS.items())
+    return "\n".join(rows) + (f"\n\n{legend} (under `rl.rollout`);\nu ~ U[0, 1) is the draw, dH the entropy change, "
+                              "c the penalty counter.")
+
+
+def documented() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    return text[text.index(START) + len(START):text.index(END)].strip()
+
+
+def write_doc() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    head, tail = text[:text.index(START) + len(START)], text[text.index(END):]
+    DOC.write_text(f"{head}\n{table()}\n{tail}", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        write_doc()
+        print(f"wrote the branch rules into {DOC}")
+    else:
+        print(table())
