@@ -1,7 +1,7 @@
 """The Markdown files (tracked, or new and not ignored) point at things that exist: every relative link reaches a
 file, and its `#anchor` a heading of that file; every module or name written in code spans (`stages.core.selection`,
 `stages.rl.stage:rl_key`) and every repository path (`stages/core/stage_spec.py`) exists; the README's Layout
-section names the files where a new stage goes.
+section links to the one recipe for a new stage (CONTRIBUTING.md), which names the files it touches.
 
 The README links into docs/ and docs/ link back into the README and each other; moving a section (the user's
 guide vs docs/gpu-runbook.md, docs/benchmarks.md, ...) or renaming a module must not leave a pointer at nothing.
@@ -146,10 +146,16 @@ def readme_section(heading: str) -> str:
 
 def test_the_readme_layout_says_where_a_new_stage_goes() -> None:
     layout = readme_section("Layout")
-    for named in ("stages/core/stage_spec.py", "STAGE_SPECS", "StageSpec", "flows/pipeline.py", "stages/<name>/",
-                  "tasks/<name>.py", "stages/core/selection.py", "stages/core/algorithm_spec.py", "stage-<name>"):
+    for named in ("stages/core/stage_spec.py", "STAGE_SPECS", "StageSpec", "stages/core/selection.py",
+                  "stages/core/algorithm_spec.py", "(CONTRIBUTING.md#adding-a-stage)"):
         assert named in layout, f"README, Layout: {named} is not named"
     from stages.core.stage_spec import STAGE_SPECS, StageSpec
+    # the recipe itself is stated once, in CONTRIBUTING.md, naming every file a new stage touches
+    recipe = (PROJECT_ROOT / "CONTRIBUTING.md").read_text().split("\n## Adding a stage\n", 1)[1].split("\n## ", 1)[0]
+    for named in ("stages/core/stage_spec.py", "STAGE_SPECS", "stages/<name>/", "flows/pipeline.py", "tasks/<name>.py",
+                  "entry_task", "stage-<name>", "python -m flows.deployments --write",
+                  "python -m stages.core.key_coverage --write"):
+        assert named in recipe, f"CONTRIBUTING.md, Adding a stage: {named} is not named"
 
     assert STAGE_SPECS and all(isinstance(spec, StageSpec) for spec in STAGE_SPECS)
     # every file and folder the layout's tree names is in the checkout

@@ -28,7 +28,7 @@ class PythonToolSection(Section):
     memory_mb: int = Field(1024, gt=0, description="address space for the code (RLIMIT_AS, beyond the preloads)")
     max_processes: int = Field(32, gt=0, description="processes+threads (RLIMIT_NPROC, counted per sandbox)")
     max_file_mb: int = Field(16, gt=0, description="largest file the code may write, stdout included")
-    max_open_files: int = Field(64, gt=0)
+    max_open_files: int = Field(64, gt=0, description="file descriptors the code may hold open (RLIMIT_NOFILE)")
     workdir_mb: int = Field(64, gt=0, description="size of each call's tmpfs working dir, /tmp and /dev/shm (bwrap)")
     max_output_chars: int = Field(4000, gt=0, description="stdout/stderr kept per call (head and tail)")
     max_code_chars: int = Field(100_000, gt=0, description="longer code is refused without running")
@@ -45,25 +45,33 @@ class PythonToolSection(Section):
 class WebSearchSection(Section):
     """Bing-compatible SERP API (Bright Data by default, as the reference)."""
 
-    provider: Literal["brightdata"] = "brightdata"
-    endpoint: str = "https://api.brightdata.com/request"
+    provider: Literal["brightdata"] = Field("brightdata", description="the SERP API's provider (one so far); it "
+                                            "names the shared rate-limit file and the results' corpus id")
+    endpoint: str = Field("https://api.brightdata.com/request", description="the provider's request API, POSTed "
+                          "with the zone and the SERP page URL")
     api_key_env: str = Field("BRIGHTDATA_API_KEY", description="environment variable holding the key")
     secret_block: str | None = Field(None, description="Prefect Secret block name, tried when the env var is unset")
     zone: str = Field("serp_api1", description="Bright Data zone of the SERP API")
     search_url: str = Field("https://www.bing.com/search", description="SERP page Bright Data fetches")
     market: str = Field("en-US", description="Bing mkt; setLang is its language part")
     country: str = Field("us", description="Bright Data cc (country of the exit node)")
-    requests_per_second: float = Field(2.0, gt=0)
+    requests_per_second: float = Field(2.0, gt=0, description="queries per second, one limit for every process "
+                                       "that shares the cache root (<cache_root>/rate-limits/)")
     retries: int = Field(3, ge=1, description="attempts per query (exponential backoff on errors and 429/5xx)")
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, description="HTTP timeout of one request to the provider")
 
 
 class SearchSection(Section):
+    """The search tool: which backend answers a query and how much of each result the model sees
+    (stages/agent/search/, docs/agent.md)."""
+
     backend: str = Field("local", description="search backend: local (BM25 over a corpus) | server (a retrieval "
                          "server) | web (a SERP API) | replay (recorded results)",
                          json_schema_extra=registry("search backend"))
-    top_k: int = Field(5, ge=1)
-    max_chars_per_passage: int = Field(1000, ge=1)
+    top_k: int = Field(5, ge=1, description="results per query shown to the model (browsing reads browse.top_k "
+                       "instead)")
+    max_chars_per_passage: int = Field(1000, ge=1, description="characters kept of each result (whitespace "
+                                       "squeezed), browsed passages included")
     corpus_path: str | None = Field(None, description="FlashRAG JSONL (backend=local); None = the generated corpus",
                                     json_schema_extra={**used_when(backend="local"), **input_file("jsonl")})
     server_url: str | None = Field(None, description="retrieval server base URL (backend=server)",
@@ -90,15 +98,21 @@ class SearchSection(Section):
 
 
 class ToolLimitsSection(Section):
+    """Tool calls a trajectory may make: a call over a limit gets a refusal as its result (stages/agent/toolbox.py);
+    the evaluation sets its own per-tool limits (eval.max_python, eval.max_search)."""
+
     max_calls: int = Field(5, ge=0, description="total tool calls per trajectory")
     max_python: int | None = Field(None, ge=0, description="per-tool cap; None = only the total applies")
-    max_search: int | None = Field(None, ge=0)
+    max_search: int | None = Field(None, ge=0, description="per-tool cap of search calls; None = only the total "
+                                   "applies")
     reject_repeated_queries: bool = Field(
         True, description="a search query already made in this trajectory gets a 'refer to previous results' note")
 
 
 class ToolCacheSection(Section):
-    enabled: bool = True
+    """A SQLite cache of tool results shared by every stage on the cache root (stages/agent/cache.py)."""
+
+    enabled: bool = Field(True, description="reuse the cached result of the same call to a tool named in tools")
     path: str | None = Field(None, description="SQLite file; None = <cache_root>/tool_cache.sqlite")
     tools: list[str] = Field(
         default_factory=lambda: ["search"],
@@ -116,16 +130,17 @@ class InferenceToolsSection(Section):
     debugger: bool = Field(False, description="on a python error an LLM rewrites the code once and it reruns")
     rollback: bool = Field(False, description="on a python error cut back before the <python> and regenerate")
     refiner: bool = Field(False, description="compress the response when prompt+response pass the threshold")
-    max_debug: int = Field(1, ge=0)
-    max_rollback: int = Field(1, ge=0)
-    max_refine: int = Field(1, ge=0)
-    refine_threshold_tokens: int = Field(8192, ge=1)
+    max_debug: int = Field(1, ge=0, description="debugger rewrites per sample")
+    max_rollback: int = Field(1, ge=0, description="rollbacks per sample (Tool-Star: max_rollback_times 1)")
+    max_refine: int = Field(1, ge=0, description="refinements per sample (Tool-Star: max_refine_times 1)")
+    refine_threshold_tokens: int = Field(8192, ge=1, description="prompt + response tokens at which the refiner "
+                                         "compresses the response (Tool-Star: 8192)")
     llm_url: str | None = Field(None, description="base URL of the helper LLM (…/v1); None = the served policy")
     llm_model: str | None = Field(None, description="model name at llm_url")
     api_key_env: str | None = Field(None, description="environment variable with the helper's key, if any")
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int = Field(2048, ge=1)
-    timeout_s: float = Field(120.0, gt=0)
+    temperature: float = Field(0.0, ge=0, description="sampling temperature of the helper LLM's calls")
+    max_tokens: int = Field(2048, ge=1, description="reply budget of one helper LLM call")
+    timeout_s: float = Field(120.0, gt=0, description="HTTP timeout of one helper LLM call")
 
 
 class AgentSection(Section):

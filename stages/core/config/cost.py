@@ -12,6 +12,8 @@ from stages.core.config.section import Section
 
 
 class CostSection(Section):
+    """Prices, measured runs and device memory for `arpo plan` (docs/plan.md); no stage key reads it."""
+
     search_price_per_1000: float | None = Field(
         None, ge=0, description="what the search provider charges per 1000 requests (in your currency), to price "
         "a run's search calls; None = not priced (a local index or retrieval server costs nothing per call)")

@@ -14,9 +14,12 @@ RL_PARQUET = {**PARQUET, **input_file("parquet", columns=("prompt", "reward_mode
 class SyntheticSection(Section):
     """The self-made task set: math that needs python, multi-hop questions that need search."""
 
-    seed: int = 0
-    n_math: int = Field(120, ge=0)
-    n_qa: int = Field(120, ge=0)
+    seed: int = Field(0, description="seed of the generator: the same seed gives the same tasks and corpus, byte "
+                      "for byte")
+    n_math: int = Field(120, ge=0, description="math tasks that need python (big products, modular powers, digit "
+                        "sums, prime counts), each with a reference python solution")
+    n_qa: int = Field(120, ge=0, description="two-hop questions about fictional people, cities and companies, "
+                      "answerable only by searching the generated corpus (at most 3 per person, n_entities x 3)")
     n_entities: int = Field(48, ge=4, description="fictional people in the generated corpus")
     n_arith: int = Field(0, ge=0, description="products of two arith_digits-digit numbers, one python call each "
                          "(the smallest family the tiny policy learns; bench/bench_learning.py)")
@@ -25,12 +28,18 @@ class SyntheticSection(Section):
                          "person / company / city, then python on the year it returns (years from it to "
                          "chain_year); needs n_chain <= n_entities * 5/3 (bench/bench_learning.py)")
     chain_year: int = Field(2025, description="the year chain questions count to")
-    valid_fraction: float = Field(0.1, ge=0, lt=1)
-    test_fraction: float = Field(0.2, ge=0, lt=1)
+    valid_fraction: float = Field(0.1, ge=0, lt=1, description="share of the (deduplicated) tasks in the valid "
+                                  "split: the RL validation parquet (rl_valid)")
+    test_fraction: float = Field(0.2, ge=0, lt=1, description="share of the tasks in the test split: the held-out "
+                                 "evaluation set (eval_test, benchmark `synthetic`); the rest is train")
 
 
 class DataSection(Section):
-    source: Literal["synthetic", "parquet"] = "synthetic"
+    """The data stage's input: generated tasks, or RL parquets in verl's schema (stages/data/)."""
+
+    source: Literal["synthetic", "parquet"] = Field(
+        "synthetic", description="synthetic = generate the task set and its corpus here (data.synthetic); parquet = "
+        "read train_path / valid_path in the verl RL schema")
     synthetic: SyntheticSection = SyntheticSection()
     train_path: str | None = Field(None, description="verl RL parquet (source=parquet)",
                                    json_schema_extra=RL_PARQUET)

@@ -11,14 +11,17 @@ from stages.core.config.serve import ServeSection
 class JudgeSection(Section):
     """LLM-as-judge. `policy` reuses the served policy model; otherwise the judge is served per `serve`."""
 
-    enabled: bool = True
-    model: Literal["policy", "path"] = "policy"
+    enabled: bool = Field(True, description="score with the judge's llm_equal besides the rule metrics; false = "
+                          "rule-only scoring (math_equal for math, em for QA) and no judge is served")
+    model: Literal["policy", "path"] = Field(
+        "policy", description="policy = the served policy judges its own answers (no second server); path = the "
+        "model at `path`, served per `serve`")
     path: str | None = Field(None, description="judge model folder or hub id (model=path)",
                              json_schema_extra=used_when(model="path"))
     serve: ServeSection = ServeSection()
     max_retries: int = Field(3, ge=1, description="attempts per judge call (tenacity, exponential backoff)")
     retry_backoff_s: float = Field(1.0, gt=0, description="first backoff wait; doubles per attempt, max 30 s")
-    concurrency: int = Field(4, ge=1)
+    concurrency: int = Field(4, ge=1, description="judge calls in flight at once")
     temperature: float = Field(0.0, ge=0, description="judge sampling temperature (0 = deterministic verdicts)")
     max_tokens: int = Field(256, ge=1, description="judge reply budget (a thinking judge needs more)")
     timeout_s: float = Field(120.0, gt=0, description="HTTP timeout per judge call")
@@ -45,7 +48,7 @@ class HeldoutSection(Section):
     samples: int = Field(1, ge=1, description="trajectories per question")
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
     max_response_length: int = Field(512, ge=8, description="response tokens per trajectory, tool results included")
-    max_prompt_length: int = Field(1536, ge=8)
+    max_prompt_length: int = Field(1536, ge=8, description="prompt tokens per trajectory")
     call_limit: int = Field(3, ge=0, description="tool calls per trajectory")
     reward: str = Field("reference", description="reward function that decides `correct`",
                         json_schema_extra=registry("reward function"))
@@ -54,26 +57,33 @@ class HeldoutSection(Section):
         "transformers", description="generation backend (vllm: in-process, under vLLM's interpreter, like "
         "rl.rollout.backend)", json_schema_extra=registry("generation backend"))
     confidence: float = Field(0.95, gt=0, lt=1, description="bootstrap interval level")
-    bootstrap_samples: int = Field(2000, ge=100)
-    seed: int = 0
+    bootstrap_samples: int = Field(2000, ge=100, description="bootstrap resamples (over questions) per interval")
+    seed: int = Field(0, description="seed of the rollouts and of the bootstrap resampling")
 
 
 class EvalSection(Section):
-    enabled: bool = True
+    """The evaluation: serve the policy, run the agent over each benchmark, score and report (stages infer, score,
+    report; docs/eval.md)."""
+
+    enabled: bool = Field(True, description="false = the evaluation is skipped (no server, infer, score or report); "
+                          "stage_gains has its own switch")
     benchmarks: list[str] = Field(default_factory=lambda: ["synthetic"], description="benchmarks to evaluate on "
                                   "(stages/eval/benchmarks.py)", json_schema_extra=registry("benchmark"))
     data_root: str = Field("../shared/data/eval", description="folder with <benchmark>/test.jsonl files")
     max_questions: int | None = Field(None, ge=1, description="cap per benchmark; None = benchmark default")
     samples: int = Field(1, ge=1, description="samples per question (k for pass@k)")
     pass_k: list[int] = Field(default_factory=lambda: [1], description="k of each pass@k (1 <= k <= samples)")
-    temperature: float = Field(0.6, ge=0)
-    top_p: float = Field(0.95, gt=0, le=1)
+    temperature: float = Field(0.6, ge=0, description="sampling temperature of the policy's answers (the "
+                               "reference's evaluation: 0.6)")
+    top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling of the policy's answers (the reference's "
+                         "evaluation: 0.95)")
     top_k: int = Field(20, ge=-1, description="sent when the server accepts it (vllm); 0 or -1 = off")
     min_p: float = Field(0.0, ge=0, le=1, description="sent when the server accepts it (vllm)")
     repetition_penalty: float = Field(1.1, gt=0, description="sent when the server accepts it; 1.0 = off")
     max_tokens: int = Field(4096, ge=1, description="tokens per generation call")
     max_total_tokens: int = Field(8192, ge=1, description="response budget per sample across calls")
-    concurrency: int = Field(8, ge=1)
+    concurrency: int = Field(8, ge=1, description="samples of one benchmark in flight at once against the policy "
+                             "server")
     fanout: Literal["threads", "ray"] = Field(
         "threads", description="how per-benchmark inference + scoring fan out: threads here, or Ray workers "
                                "(prefect-ray RayTaskRunner; a local Ray unless ray_address is set)")

