@@ -3,9 +3,8 @@
 
 Only wiring lives here, one line per stage: every step is a task from tasks/ (cached, retried), called through
 `StageRunner`, which reads the stage off the task and gives it what the stage table and the run section say (its
-refresh from the stage selection, the output and cache roots, its interpreter). A stage with no artifacts of its own
-needs no task module: `stages.run(entry_task("<name>"), ...)` builds its task from its line in
-stages/core/stage_spec.py. Servers are torn down in `finally` even when a step fails. The one pre-flight
+refresh from the stage selection, the output and cache roots, its interpreter); adding a stage: CONTRIBUTING.md,
+"Adding a stage". Servers are torn down in `finally` even when a step fails. The one pre-flight
 (stages.core.preflight) runs before any task, and the data stage runs before the model bootstrap: a bad data file
 fails in seconds, before a model is downloaded or converted.
 """

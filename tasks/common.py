@@ -3,9 +3,10 @@ line read off the task (its name is the stage's).
 
 Built from the table (stages/core/stage_spec.py): `stage_task("<stage>")` caches on the key function the line names
 (a name not in the table raises, naming the nearest ones); a task's body calls `call_entry(...)`, the line's entry
-point, here or under the interpreter the task is given; `entry_task("<stage>")` is the whole task of a stage with no
-artifacts of its own. The flow calls each task through `StageRunner`, which reads the stage off the task and fills in
-its refresh, the output and cache roots and, for a line that may run under another interpreter, `python`.
+point, here or under the interpreter the task is given; `entry_task("<stage>")` builds a whole task from the line
+(which a stage needs: CONTRIBUTING.md, "Adding a stage"). The flow calls each task through `StageRunner`, which
+reads the stage off the task and fills in its refresh, the output and cache roots and, for a line that may run
+under another interpreter, `python`.
 
 One key per stage: the Prefect cache key of a stage task is the stage's own key function (the one that names its
 output folder, e.g. `stages.eval.inference.infer_key`) called on the task's inputs, plus where the folder lives

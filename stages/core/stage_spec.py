@@ -7,9 +7,7 @@ other pre-flight checks run (stages.core.preflight), which stages may run under 
 the stage's, the folder under run.output_root too), and the `stage-<name>` deployments (the generated section of
 prefect.yaml: `python -m flows.deployments --write`, checked by tests/unit/test_stage_spec.py).
 
-Adding a stage: one line here, its own package under stages/ (its entry point and its key function, which hashes
-`code_version(__name__)`), and one wiring line in flows/pipeline.py (`stages.run(entry_task("<name>"), ...)`, or
-a task of its own in tasks/ when it publishes artifacts).
+Adding a stage: CONTRIBUTING.md, "Adding a stage" (the one statement of the recipe).
 
 No stage module imports this table (a test holds that), so adding a stage leaves every other stage's key as it was.
 """
