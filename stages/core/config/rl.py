@@ -109,7 +109,7 @@ class LossSection(Section):
     policy_loss: str = Field("ppo_dual_clip", description="policy loss; unset = rl.algorithm's default (stages/core/"
                              "algorithm_spec.py)", json_schema_extra=registry("policy loss"))
     aggregation: str = Field(
-        "token_mean", description="token_mean: every valid token of the mini-batch weighs the same (verl 0.9.1); "
+        "token_mean", description="token_mean: every valid token of the mini-batch weighs the same (verl's token-mean); "
         "micro_token_mean: the reference's token mean per micro-batch scaled by its share of sequences (local "
         "engine only); seq_mean_token_mean; seq_mean_token_sum_norm (Dr. GRPO)",
         json_schema_extra=registry("loss aggregation"))
@@ -256,7 +256,7 @@ class RLSection(Section):
     enabled: bool = Field(True, description="false = the RL stage hands the policy on unchanged (as an hf "
                           "checkpoint), so merge and evaluation run on the SFT policy")
     engine: str = Field(
-        "local", description="local: one-process trainer on one device; verl: verl 0.9.1 FSDP over Ray (paper "
+        "local", description="local: one-process trainer on one device; verl: verl's FSDP over Ray (paper "
         "profiles)", json_schema_extra=registry("RL engine"))
     local_memory_gb: float = Field(80.0, gt=0, description="memory of the one device the local engine trains on; "
                                    "a policy that cannot fit is refused before any work (stages/core/config/"

@@ -1,7 +1,7 @@
 """Which engine trains the RL stage, the verl engine's settings, and the local engine's memory estimate.
 
-`rl.engine: local` is the one-process trainer (stages/rl/trainer.py) on one device; `rl.engine: verl` runs verl
-0.9.1's PPO entry point over Ray with our algorithm plugged in (stages/rl/verl/, docs/rl.md "verl engine").
+`rl.engine: local` is the one-process trainer (stages/rl/trainer.py) on one device; `rl.engine: verl` runs verl's
+PPO entry point over Ray with our algorithm plugged in (stages/rl/verl/, docs/rl.md "verl engine").
 
 The local engine keeps float32 master weights and AdamW state whatever `model.dtype` says (`model.dtype` sets the
 compute precision): 16 bytes per parameter (weights 4 + gradients 4 + AdamW moments 8), plus 4 bytes per
@@ -23,14 +23,14 @@ BYTES_PER_PARAM_TRAIN = 16       # fp32 weights + fp32 grads + two fp32 AdamW mo
 BYTES_PER_PARAM_REFERENCE = 4    # the frozen fp32 reference policy (only with KL)
 VLLM_GPU_MEMORY_UTILIZATION = 0.6  # stages.generation.vllm_backend.VLLMBackend's default share of the device
 # config.json model_types whose packed single-row forward under sdpa (attention_mask None, position ids restarting
-# per sequence: transformers builds the block-diagonal mask) equals the separate forwards through verl 0.9.1's own
+# per sequence: transformers builds the block-diagonal mask) equals the separate forwards through verl's own
 # remove-padding path: tests/verl/test_remove_padding_sdpa.py checks each (docs/decisions.md "Attention: sdpa")
 PACKED_SDPA_FAMILIES = ("llama", "qwen2", "qwen3")
 _SIZE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
 
 
 class VerlSection(Section):
-    """verl 0.9.1 on Ray (`rl.engine: verl`). Every other RL setting comes from the rest of `rl:` through one
+    """verl on Ray (`rl.engine: verl`). Every other RL setting comes from the rest of `rl:` through one
     mapping (stages/rl/verl/mapping.py, table in docs/rl.md)."""
 
     nnodes: int = Field(1, ge=1, description="trainer.nnodes: machines in the Ray cluster")
