@@ -20,8 +20,8 @@ class RolloutSection(Section):
     n: int = Field(16, ge=1, description="trajectories per prompt (GRPO group size, total budget)")
     initial_rollouts: int = Field(8, ge=1, description="root trajectories per prompt")
     beam_size: int = Field(2, ge=1, description="a trajectory makes at most beam_size-1 copies per round")
-    branch_probability: float = Field(0.5, ge=0, le=1, description="tau")
-    entropy_weight: float = Field(0.2, description="w in P = clip(tau + w * dH)")
+    branch_probability: float = Field(0.5, ge=0, le=1, description="tau, the branch rules' threshold (docs/rollout.md)")
+    entropy_weight: float = Field(0.2, description="w, dH's weight in the branch rules")
     entropy_window: Literal["paper", "reference"] = Field(
         "reference", description="reference (the ARPO code): every segment measured, the decision one round late, "
         "copies take their own baseline; paper: the segment after each result, fork at its start")
@@ -47,8 +47,8 @@ class RolloutSection(Section):
                                 json_schema_extra=used_when(dynamic_rollouts=True))
     probe_tokens: int = Field(50, ge=1, description="tokens of each pre-monitoring probe",
                               json_schema_extra=used_when(dynamic_rollouts=True))
-    branch_penalty: float = Field(0.0, ge=0, description="AEPO consecutive-branch penalty, factor max(0, 1 - "
-                                  "penalty * c); unset or null = rl.algorithm's default (stages/core/"
+    branch_penalty: float = Field(0.0, ge=0, description="p, AEPO's consecutive-branch penalty in its "
+                                  "branch rule (docs/rollout.md); unset or null = rl.algorithm's default (stages/core/"
                                   "algorithm_spec.py)")
     penalty_counter: Literal["consecutive_rounds", "branches"] = Field(
         "consecutive_rounds", description="AEPO's c: consecutive_rounds (the reference: rounds in a row that added "
