@@ -149,13 +149,13 @@ def test_the_readme_layout_says_where_a_new_stage_goes() -> None:
     for named in ("stages/core/stage_spec.py", "STAGE_SPECS", "StageSpec", "stages/core/selection.py",
                   "stages/core/algorithm_spec.py", "(CONTRIBUTING.md#adding-a-stage)"):
         assert named in layout, f"README, Layout: {named} is not named"
-    from stages.core.stage_spec import STAGE_SPECS, StageSpec
     # the recipe itself is stated once, in CONTRIBUTING.md, naming every file a new stage touches
     recipe = (PROJECT_ROOT / "CONTRIBUTING.md").read_text().split("\n## Adding a stage\n", 1)[1].split("\n## ", 1)[0]
     for named in ("stages/core/stage_spec.py", "STAGE_SPECS", "stages/<name>/", "flows/pipeline.py", "tasks/<name>.py",
                   "entry_task", "stage-<name>", "python -m flows.deployments --write",
                   "python -m stages.core.key_coverage --write"):
         assert named in recipe, f"CONTRIBUTING.md, Adding a stage: {named} is not named"
+    from stages.core.stage_spec import STAGE_SPECS, StageSpec
 
     assert STAGE_SPECS and all(isinstance(spec, StageSpec) for spec in STAGE_SPECS)
     # every file and folder the layout's tree names is in the checkout
