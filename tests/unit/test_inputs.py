@@ -82,7 +82,7 @@ def test_every_mode_declaration_names_a_sibling_and_its_values() -> None:
     ("rl.rollout.max_response_length=-1", "rl.rollout.max_response_length: Input should be greater than or equal to 1"),
     ("rl.rollout.max_prompt_length=0", "rl.rollout.max_prompt_length: Input should be greater than or equal to 1"),
     ("eval.max_tokens=0", "eval.max_tokens: Input should be greater than or equal to 1"),
-    ("rl.optim.lr=0", "rl.optim.lr: Input should be greater than 0"),
+    ("rl.optim.lr=-1e-6", "rl.optim.lr: Input should be greater than or equal to 0"),  # 0: a control run
     ("rl.loss.clip_ratio_c=1", "rl.loss.clip_ratio_c: Input should be greater than 1"),
     ("eval.pass_k=[1,4]", "eval.pass_k=[1, 4] has k=4 but pass@k needs 1 <= k <= eval.samples=2"),
     ("agent.search.backend=server", "agent.search.backend=server needs agent.search.server_url"),
