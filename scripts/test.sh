@@ -10,8 +10,8 @@ timed() {  # timed <label> <command...>: run it and say how long it took, whethe
   echo "[setup] $1: $((SECONDS - start)) s"
 }
 timed "main + vLLM environments (scripts/setup.sh)" env ARPO_WITH_BROWSER=1 ./scripts/setup.sh
-# verl 0.9.1 contract tests run in their own environment (tests/integration/test_verl_contract.py); the verl CPU
-# smoke run (tests/integration/test_verl_cpu_smoke.py) in that environment layered over .venv-vllm (no install)
+# verl 0.9.1 contract tests run in their own environment (tests/integration/test_verl_contract.py); the suite's verl
+# run (tests/integration/test_rehearse_verl_e2e.py) in that environment layered over .venv-vllm (no install)
 timed "verl test environment (setup-verl.sh --test)" ./scripts/setup-verl.sh --test
 timed "verl CPU environment (setup-verl.sh --cpu)" ./scripts/setup-verl.sh --cpu
 # The tiny-model tests need disk: the session's shared tiny-model outputs (~1 GB), and the modules running on the

@@ -1,7 +1,8 @@
 """The whole tiny chain as a Prefect deployment on a local server, run the way a user runs it:
 `prefect deployment run`, a process worker, the web UI. Then: a rerun recomputes nothing and starts no server;
-refreshing `eval` recomputes infer/score/report only; changing an RL setting recomputes RL and downstream only.
-The three runs that infer serve the policy with vLLM (about a minute each to start on the CPU box).
+refreshing `report` recomputes the report only (the predictions are on disk: no server); changing an RL setting
+recomputes RL and downstream only, its inference on a server started again. The two runs that infer serve the policy
+with vLLM (about a minute each to start on the CPU box).
 
 One module-scoped server + worker with their own PREFECT_HOME and result store, and outputs in a temp folder,
 so the first run really computes everything after SFT (data and SFT are the session's `tiny_chain`, found complete
@@ -9,7 +10,7 @@ under the same keys: SFT training through the pipeline is `tiny_chain`'s own `ar
 folder holds a tree page per dumped step, which headless chromium renders, and `arpo trees` prints the same trees.
 
 Over 5 minutes, because it is four real pipeline runs on 2 cores: two RL trainings, two merges, the held-out
-evaluation of three policies, three vLLM server starts (about a minute each) and their inference. Each run is a
+evaluation of three policies, two vLLM server starts (about a minute each) and their inference. Each run is a
 different path (first run, cached rerun, refreshed stage, changed setting); none can be left out.
 """
 
@@ -163,16 +164,19 @@ def test_second_run_recomputes_nothing(deployed: dict) -> None:
     assert not served(states), states               # every prediction on disk: no server started at all
 
 
-def test_refreshing_eval_recomputes_only_eval(deployed: dict) -> None:
-    _, states = run_deployment(deployed, "eval")
-    assert computed(states) == EVAL, states
-    assert served(states), states
+def test_refreshing_the_report_recomputes_only_the_report(deployed: dict) -> None:
+    # the refresh travels through the deployment's parameter; the predictions are on disk, so nothing is served (a
+    # group name, `eval`, expands as tests/unit/test_stage_spec.py checks)
+    _, states = run_deployment(deployed, "report")
+    assert computed(states) == {"report"}, states
+    assert not served(states), states
 
 
 def test_changing_rl_recomputes_rl_and_downstream(deployed: dict) -> None:
     _, states = run_deployment(deployed, "", "rl.optim.lr=2.0e-6")
     # heldout-rl recomputes (a new RL policy); heldout-base and heldout-sft come from cache
     assert computed(states) == {"rl", "merge", "heldout"} | EVAL, states
+    assert served(states), states                   # the new policy's inference starts its server again
     assert {"heldout-rl"} == {name for name, seen in states.items()
                               if name.startswith("heldout-") and "Completed" in seen}, states
 

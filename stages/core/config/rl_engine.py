@@ -63,7 +63,7 @@ class VerlSection(Section):
         "packed into one row of its real tokens instead of padded to its longest sequence. auto = on with "
         "flash_attention_2, and with sdpa for the architecture families whose packed forward is verified "
         f"({', '.join(PACKED_SDPA_FAMILIES)}: docs/decisions.md \"Attention: sdpa\"); off otherwise")
-    cpu_mode: bool = Field(False, description="verl on a CPU box (rehearsals, the CPU smoke run): our CPU platform, "
+    cpu_mode: bool = Field(False, description="verl on a CPU box (rehearsals, the suite's verl run): our CPU platform, "
                            "CPU overrides and environment (stages/rl/verl/cpu_mode.py); refused unless run.device is cpu")
     plugin_modules: list[str] = Field(
         default_factory=list, description="modules imported before our plugin in every verl process "

@@ -65,7 +65,7 @@ class RunConfig(Section):
     def _verl_cpu_mode_on_cpu_only(self) -> RunConfig:
         """verl's CPU mode (stages/rl/verl/cpu_mode.py) replaces CUDA calls with host ones: never on a GPU run."""
         if self.rl.verl.cpu_mode and self.run.device != "cpu":
-            raise ValueError(f"rl.verl.cpu_mode is verl on a CPU box (a rehearsal or the CPU smoke run), but "
+            raise ValueError(f"rl.verl.cpu_mode is verl on a CPU box (a rehearsal or the suite's verl run), but "
                              f"run.device={self.run.device}: set run.device=cpu, or rl.verl.cpu_mode=false for a GPU "
                              "run")
         return self

@@ -1,4 +1,5 @@
-"""verl on a CPU box (`run.device: cpu` with `rl.engine: verl`): rehearsals and the CPU smoke run.
+"""verl on a CPU box (`run.device: cpu` with `rl.engine: verl`): rehearsals and the suite's verl run
+(tests/integration/test_rehearse_verl_e2e.py).
 
 verl has no CPU platform; `stages.rl.verl.cpu_platform` adds one (imported before our plugin in every verl
 process, before the modules of rl.verl.plugin_modules), CPU_OVERRIDES turn off what vLLM and FSDP cannot do on a CPU,

