@@ -28,6 +28,7 @@ import pytest
 
 from stages.core.env import PROJECT_ROOT
 from tests.conftest import TINY_SFT, link_tiny_chain, module_scratch, require_chromium
+from tests.unit.tracking_support import check_pipeline_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 EVAL = {"infer", "score", "report"}
@@ -134,6 +135,10 @@ def test_first_run_computes_every_stage_and_publishes(deployed: dict) -> None:
     refs = json.loads((record / "refs.json").read_text())
     assert Path(refs["report"]["path"]).exists()
     deployed["rl_stage"] = Path(refs["rl"]["meta"]["rollouts"]).parent
+    # the run's own MLflow store (the embedded default, docs/ui.md "Where the curves go"): one pipeline run, a child
+    # per stage, RL's reward / entropy / tool-call curves per step, the eval scores; SFT's loss is read through the
+    # link to the tiny chain's store, which trained it
+    check_pipeline_run(tracker_uri(deployed), "arpo-tiny-cpu", rl_steps=1, cached=["sft"], benchmarks=["synthetic"])
 
 
 def test_rl_wrote_a_tree_page_per_step_and_arpo_trees_prints_the_same_trees(deployed: dict, tmp_path: Path) -> None:
@@ -162,6 +167,12 @@ def test_second_run_recomputes_nothing(deployed: dict) -> None:
     _, states = run_deployment(deployed, "")
     assert computed(states) == set(), states
     assert not served(states), states               # every prediction on disk: no server started at all
+    # a cached stage logs nothing again: its child run links the run that produced it
+    check_pipeline_run(tracker_uri(deployed), "arpo-tiny-cpu", rl_steps=1, cached=["sft", "rl"])
+
+
+def tracker_uri(deployed: dict) -> str:
+    return f"sqlite:///{deployed['outputs'].resolve()}/mlflow/mlflow.db"
 
 
 def test_refreshing_the_report_recomputes_only_the_report(deployed: dict) -> None:
