@@ -183,7 +183,8 @@ def test_a_train_set_smaller_than_a_batch_fails_before_sft(tmp_path: Path, harne
     assert code == 2 and one_error_line(err).startswith(
         f"error: the RL train set ({out.resolve()}/data/") and "has 3 valid rows, fewer than " \
         "rl.trainer.train_batch_size=8 prompts per step" in err
-    assert sorted(p.name for p in out.iterdir()) == [".locks", "data", "runs"]   # no model, no SFT: seconds, not hours
+    # no model, no SFT: seconds, not hours (mlflow: the run's tracker store, opened with the run)
+    assert sorted(p.name for p in out.iterdir()) == [".locks", "data", "mlflow", "runs"]
 
 
 def test_a_missing_file_while_the_key_is_computed_fails_the_task_once(tmp_path: Path, prefect_harness) -> None:
