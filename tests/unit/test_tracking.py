@@ -33,7 +33,6 @@ from stages.core.tracking.pipeline import finish_pipeline, start_pipeline
 from stages.core.workspace import MARKER
 from tests.unit.tracking_support import check_pipeline_run
 
-pytest.importorskip("mlflow")
 SERVER_BOOT_S = 150
 
 
@@ -163,7 +162,7 @@ def test_a_required_dead_tracker_fails_with_the_fix(tmp_path) -> None:
 
 
 def test_tensorboard_event_files_read_back_with_tensorboards_reader(tmp_path) -> None:
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from tensorboard.backend.event_processing import event_accumulator
     cfg = _config(tmp_path, "tracking.backend=tensorboard")
     ctx = start_pipeline(cfg, _run_dir(tmp_path, "tiny-tb"), card="# card\n")
     folder = _stage_folder(tmp_path, "rl", "rlkey123456789")
@@ -202,7 +201,7 @@ def _wandb_records(path: Path):
 
 
 def test_wandb_offline_writes_a_run_folder_wandb_sync_can_upload(tmp_path, monkeypatch) -> None:
-    pytest.importorskip("wandb")
+    import wandb  # noqa: F401 - installed with the project
     monkeypatch.setenv("WANDB_MODE", "disabled")  # what stages.core.env sets: offline mode must still write
     cfg = _config(tmp_path, "tracking.backend=wandb")
     ctx = start_pipeline(cfg, _run_dir(tmp_path, "tiny-wandb"))

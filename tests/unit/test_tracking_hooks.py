@@ -107,7 +107,8 @@ def test_verl_logs_to_the_tracker_through_its_own_logger() -> None:
 
 
 def test_verl_steps_reach_the_stage_run_under_the_local_engines_names(tmp_path) -> None:
-    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from tensorboard.backend.event_processing import event_accumulator as accumulator
+
     from stages.rl.verl.monitor import LiveReport, our_row
 
     class Bar:
