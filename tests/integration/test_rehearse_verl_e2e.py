@@ -169,6 +169,12 @@ def test_metrics_of_both_steps_reached_our_monitoring(rehearsal):
             assert key in row and row[key] == row[key], key                 # present and not NaN
         assert 0 < row["entropy/mean"] < 1                                  # per token, / ln|V| (near 1: a random toy)
     assert (stage / "curves.png").stat().st_size > 1000
+    # the same curves on the run's tracker (docs/ui.md "Where the curves go"), under the local engine's names: the
+    # newest pipeline run is the cached rerun, whose RL child links the resumed run that trained both steps
+    from tests.unit.tracking_support import check_pipeline_run
+
+    uri = f"sqlite:///{rehearsal['outputs'].resolve()}/mlflow/mlflow.db"
+    check_pipeline_run(uri, f"arpo-{PROFILE}", rl_steps=2, sft_loss=False, cached=["rl"])
 
 
 def test_full_trees_with_our_rewards_advantages_and_masked_tool_tokens(rehearsal):
