@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from stages.core.codeversion import STAGES as CODE
+from stages.core.doc_block import read_block, write_block
 from stages.core.stage_spec import STAGE_SPECS, StageSpec
 
 # the runtime every stage may drive (names built, not written: a bare module-name string counts as an import here)
@@ -101,14 +102,11 @@ def table() -> str:
 
 
 def documented() -> str:
-    text = DOC.read_text(encoding="utf-8")
-    return text[text.index(START) + len(START):text.index(END)].strip()
+    return read_block(DOC, START, END)
 
 
 def write_doc() -> None:
-    text = DOC.read_text(encoding="utf-8")
-    head, tail = text[:text.index(START) + len(START)], text[text.index(END):]
-    DOC.write_text(f"{head}\n{table()}\n{tail}", encoding="utf-8")
+    write_block(DOC, START, END, table())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from stages.core.algorithm_spec import ALGORITHMS
+from stages.core.doc_block import read_block, write_block
 from stages.core.env import PROJECT_ROOT
 from stages.rl.strategies import BRANCH_RULES, SYMBOLS
 
@@ -29,14 +30,11 @@ def table() -> str:
 
 
 def documented() -> str:
-    text = DOC.read_text(encoding="utf-8")
-    return text[text.index(START) + len(START):text.index(END)].strip()
+    return read_block(DOC, START, END)
 
 
 def write_doc() -> None:
-    text = DOC.read_text(encoding="utf-8")
-    head, tail = text[:text.index(START) + len(START)], text[text.index(END):]
-    DOC.write_text(f"{head}\n{table()}\n{tail}", encoding="utf-8")
+    write_block(DOC, START, END, table())
 
 
 if __name__ == "__main__":
