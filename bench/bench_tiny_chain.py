@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import write_result  # noqa: E402
+from flows.server import toml_on_port  # noqa: E402
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENTS = (".venv", ".venv-vllm")
@@ -58,7 +59,7 @@ def make_clone(commit: str, parent: Path) -> tuple[Path, int]:
             (clone / name).symlink_to(PROJECT_ROOT / name)
     port = free_port()
     toml = clone / "prefect.toml"
-    toml.write_text(toml.read_text().replace("127.0.0.1:4200", f"127.0.0.1:{port}"))
+    toml.write_text(toml_on_port(toml.read_text(), port))
     return clone, port
 
 

@@ -16,9 +16,9 @@ from prefect import Flow, flow
 from stages.core.config.loader import RunConfig
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from stages.core.selection import StageName, select_stages
-from tasks.common import StageRunner
+from tasks.common import StageRunner, entry_task
 from tasks.eval_infer import submit_infer
-from tasks.eval_score import score_task, scores_as_they_finish
+from tasks.publish import scores_as_they_finish
 
 
 @flow(name="evaluate", log_prints=True)
@@ -33,7 +33,7 @@ def evaluate_benchmarks(cfg: RunConfig, model: ModelRef, data: DatasetRef, endpo
                                 cache, summarizer=summarizer) for name in cfg.eval.benchmarks]
     if not score:
         return {"infer": [p.result() for p in predictions]}
-    scores = [stages.submit(score_task, cfg.eval, p, judge) for p in predictions]
+    scores = [stages.submit(entry_task("score"), cfg.eval, p, judge) for p in predictions]
     done = scores_as_they_finish(cfg.eval.benchmarks, scores)  # the eval table fills in as each one finishes
     return {"infer": [p.result() for p in predictions], "score": done}
 

@@ -1,7 +1,8 @@
 """The whole chain as one Prefect flow: data -> bootstrap -> SFT (+ DPO) -> RL -> merge -> heldout -> serve -> infer
 -> score -> report (the order of stages.core.stage_spec.STAGE_SPECS).
 
-Only wiring lives here, one line per stage: every step is a task from tasks/ (cached, retried), called through
+Only wiring lives here, one line per stage: every step is a task from tasks/ (cached, retried; a stage's is
+`entry_task("<stage>")`, built from its table line, unless it has a module of its own), called through
 `StageRunner`, which reads the stage off the task and gives it what the stage table and the run section say (its
 refresh from the stage selection, the output and cache roots, its interpreter); adding a stage: CONTRIBUTING.md,
 "Adding a stage". Servers are torn down in `finally` even when a step fails. The one pre-flight
@@ -20,16 +21,11 @@ from stages.core.config.loader import Override, Profile, load_config
 from stages.core.inputs import check_rl_rows
 from stages.core.preflight import preflight
 from stages.core.selection import StageName, select_stages
-from tasks.bootstrap import bootstrap_task
-from tasks.common import StageRunner, run_stage
+from tasks.common import StageRunner, entry_task, run_stage
 from tasks.cost import cost_plan_task
-from tasks.data import data_task
-from tasks.eval_score import report_task
 from tasks.eval_serve import judge_serve_task, serve_task, serving_needs_task, stop_task, summarizer_serve_task
-from tasks.heldout import heldout_task
-from tasks.rl import merge_task, rl_task
+from tasks.rl import rl_task
 from tasks.run_record import record_config_task, summary_task
-from tasks.sft import dpo_task, sft_task
 
 
 @flow(name="arpo-pipeline", log_prints=True)
@@ -47,25 +43,25 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
     stages = StageRunner(selection, cfg.run)  # each call: refresh, output/cache roots, interpreter (run.interpreters)
     refs: dict[str, Any] = {}
     if selection.runs("data"):
-        refs["data"] = data = stages.run(data_task, cfg.data)
+        refs["data"] = data = stages.run(entry_task("data"), cfg.data)
         if selection.runs("rl"):
             check_rl_rows(cfg.rl, data)  # a train set smaller than a batch fails now, not after SFT
     if not selection.runs("bootstrap"):  # `--until data` checks the data without fetching a model
         return summary_task(run_dir, refs)
-    refs["bootstrap"] = base = model = stages.run(bootstrap_task, cfg.model)
+    refs["bootstrap"] = base = model = stages.run(entry_task("bootstrap"), cfg.model)
     if selection.runs("sft"):
-        refs["sft"] = policy = stages.run(sft_task, cfg.sft, cfg.agent, model, data)
+        refs["sft"] = policy = stages.run(entry_task("sft"), cfg.sft, cfg.agent, model, data)
         if cfg.sft.dpo.enabled:  # self-critic DPO belongs to the SFT stage: refreshed with it
-            refs["dpo"] = policy = stages.run(dpo_task, cfg.sft, cfg.agent, policy, data)
+            refs["dpo"] = policy = stages.run(entry_task("dpo"), cfg.sft, cfg.agent, policy, data)
     if selection.runs("rl"):
         refs["rl"] = policy = stages.run(rl_task, cfg.rl, cfg.agent, policy, data, seed=cfg.run.seed,
                                          dtype=cfg.model.dtype)
     if selection.runs("merge"):
-        refs["merge"] = policy = stages.run(merge_task, cfg.merge, policy)
+        refs["merge"] = policy = stages.run(entry_task("merge"), cfg.merge, policy)
     gains = {}
     if selection.runs("heldout") and cfg.eval.stage_gains.enabled:  # what each stage bought, on one held-out split
         policies = {"base": base, "sft": refs.get("dpo", refs.get("sft")), "rl": refs.get("merge")}
-        gains = {label: stages.run(heldout_task, cfg.eval.stage_gains, cfg.agent, ref, data, label=label)
+        gains = {label: stages.run(entry_task("heldout", label), cfg.eval.stage_gains, cfg.agent, ref, data)
                  for label, ref in policies.items() if ref is not None}
         refs.update({f"heldout-{label}": ref for label, ref in gains.items()})
     if selection.runs("infer") and cfg.eval.enabled:
@@ -95,7 +91,8 @@ def evaluate(cfg: Any, selection: Any, model: Any, data: Any, run_dir: str, gain
         out = fanout(cfg, model, data, endpoint, judge, sorted(selection.refresh), selection.runs("score"), needs.retry,
                      summarizer)
         if selection.runs("report"):
-            out["report"] = run_stage(report_task, selection, cfg.eval, out["score"], cfg.run.output_root, gains=gains)
+            out["report"] = run_stage(entry_task("report"), selection, cfg.eval, out["score"], cfg.run.output_root,
+                                      gains=gains)
         return out
     finally:
         for endpoint in endpoints:

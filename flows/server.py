@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tomllib
 from urllib.parse import urlparse
 
 from stages.core.env import prefect_settings
@@ -46,6 +47,16 @@ def default_port() -> int:
         raise ValueError(f"prefect.toml's api.url {project_api_url()!r} names no port: write one, e.g. "
                          "http://127.0.0.1:<port>/api")
     return port
+
+
+def toml_on_port(text: str, port: int) -> str:
+    """The text of a prefect.toml with its api.url moved to `port`, the rest as it was: for a copy of the project
+    (a test's, a bench's clone) whose server must not meet the one the developer runs on the file's own port."""
+    url = tomllib.loads(text)["api"]["url"]
+    parts = urlparse(url)
+    if parts.port is None or text.count(f'"{url}"') != 1:
+        raise ValueError(f"prefect.toml's api.url {url!r} must name a port and be written once, as a quoted string")
+    return text.replace(f'"{url}"', f'"{parts._replace(netloc=f"{parts.hostname}:{port}").geturl()}"')
 
 
 def use_local_server_if_running(ephemeral: bool = False) -> str | None:

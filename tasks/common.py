@@ -1,12 +1,14 @@
 """What every stage task shares: the one cache key, retries, how a forced refresh is applied, and the stage table's
 line read off the task (its name is the stage's).
 
-Built from the table (stages/core/stage_spec.py): `stage_task("<stage>")` caches on the key function the line names
-(a name not in the table raises, naming the nearest ones); a task's body calls `call_entry(...)`, the line's entry
-point, here or under the interpreter the task is given; `entry_task("<stage>")` builds a whole task from the line
-(which a stage needs: CONTRIBUTING.md, "Adding a stage"). The flow calls each task through `StageRunner`, which
-reads the stage off the task and fills in its refresh, the output and cache roots and, for a line that may run
-under another interpreter, `python`.
+Built from the table (stages/core/stage_spec.py): `entry_task("<stage>")` is a stage's task, made from its line:
+the entry point's parameters, cached on the key function the line names, then the line's `publish` hook (its
+artifacts: tasks/publish.py); adding a stage: CONTRIBUTING.md, "Adding a stage". `stage_task("<stage>")` is the
+decorator underneath (a name not in the table raises, naming the nearest ones), whose body calls `call_entry(...)`,
+the line's entry point, here or under the interpreter the task is given. The flow calls each task through
+`StageRunner`, which reads the stage off the task and fills in its refresh, the output and cache roots and, for a
+line that may run under another interpreter, `python`.
+A module of its own (`stage_task`) only for a task doing more than call-then-publish: rl (card first), infer (retry).
 
 One key per stage: the Prefect cache key of a stage task is the stage's own key function (the one that names its
 output folder, e.g. `stages.eval.inference.infer_key`) called on the task's inputs, plus where the folder lives
@@ -256,11 +258,13 @@ def call_entry(python: str | None = None, force: bool | None = None, **kwargs: A
     return call_stage(current_stage().entry, python, **kwargs, force=forced() if force is None else force)
 
 
-def entry_task(stage: str) -> Task:
-    """The task of a stage that needs nothing beyond its entry point (no artifacts of its own): the entry's
-    parameters (without `force`; with `python` when the stage may run under another interpreter), cached on the
-    table's key function. A stage whose task publishes artifacts writes its own in tasks/ with `stage_task`."""
-    return _entry_task(spec(stage))
+def entry_task(stage: str, label: str | None = None) -> Task:
+    """The task of stage `stage`, built from its line: the entry's parameters (without `force`; with `python` when
+    the stage may run under another interpreter), cached on the line's key function, retried `retries` times; once
+    the entry returns, the line's `publish` hook gets the task's inputs and the result. `label` names the task run
+    `<stage>-<label>` (`heldout-sft`: the flow runs heldout once per policy) and is in no key."""
+    built = _entry_task(spec(stage))
+    return built.with_options(task_run_name=f"{stage}-{label}") if label else built
 
 
 @functools.cache
@@ -270,6 +274,7 @@ def _entry_task(line: StageSpec) -> Task:
     from tasks.secrets import export_search_key
 
     stage = line.name
+    publish = resolve(line.publish) if line.publish else None  # a bad hook fails here, not after the stage ran
     params = [p for name, p in inspect.signature(resolve(line.entry)).parameters.items() if name != "force"]
     if line.isolatable:
         params.append(inspect.Parameter("python", inspect.Parameter.KEYWORD_ONLY, default=None))
@@ -277,14 +282,19 @@ def _entry_task(line: StageSpec) -> Task:
     signature = inspect.Signature(params)
 
     def run_entry(*args: Any, **kwargs: Any) -> Any:
-        inputs = signature.bind(*args, **kwargs).arguments
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        inputs = bound.arguments
         if "agent" in line.sections and "agent" in inputs:
             export_search_key(inputs["agent"])  # as every task of a stage that runs the agent's tools
-        return call_entry(**inputs)
+        result = call_entry(**inputs)
+        if publish is not None:
+            publish(inputs, result)
+        return result
 
     run_entry.__signature__ = signature  # type: ignore[attr-defined]  # the task's parameters are the entry's
     run_entry.__name__ = run_entry.__qualname__ = f"{stage}_task"
-    return stage_task(stage)(run_entry)
+    return stage_task(stage, retries=line.retries)(run_entry)
 
 
 def run_stage(stage_task_: Task, selection: StageSelection, *args: Any, **kwargs: Any) -> Any:

@@ -1,17 +1,17 @@
-"""RL and merge tasks: cached stage calls. RL publishes its progress, curves, rollout sample and alarms while it
+"""The RL task: a cached stage call. RL publishes its progress, curves, rollout sample and alarms while it
 runs (stages.core.reporter -> tasks/live.py); the task publishes the run's algorithm card (`rl-algorithm-card`,
-stages/rl/card.py) before calling the stage.
+stages/rl/card.py) before calling the stage, which is why it is written by hand (merge, with no card, is
+tasks.common.entry_task's).
 
 `python` runs the stage under another interpreter (config `run.interpreters`, filled in by the flow's
-tasks.common.StageRunner); the entry points are the stage table's (`call_entry`); the key functions ask that
-interpreter what they need of it (verl's version), and the RL settings that only watch the run (alarms, artifact
+tasks.common.StageRunner); the entry point is the stage table's (`call_entry`); the key function asks that
+interpreter what it needs of it (verl's version), and the RL settings that only watch the run (alarms, artifact
 refresh) are not part of the key (stages.rl.identity.training_identity, used by stages.rl.stage.rl_key).
 """
 
 from __future__ import annotations
 
 from stages.core.config.agent import AgentSection
-from stages.core.config.merge import MergeSection
 from stages.core.config.rl import RLSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.artifacts import publish_table
@@ -36,12 +36,3 @@ def publish_card(cfg: RLSection) -> None:
     card = algorithm_card(cfg)
     publish_table("rl-algorithm-card", card_table(card), f"{cfg.algorithm} on the {cfg.engine} engine vs the "
                   f"published run {card.reference.name}: each mechanism, same or differs and why (docs/reference.md)")
-
-
-@stage_task("merge")
-def merge_task(cfg: MergeSection, ckpt: CheckpointRef, output_root: str, python: str | None = None) -> ModelRef:
-    model = call_entry(python, cfg=cfg, ckpt=ckpt, output_root=output_root)
-    publish_table("merge-parity", [{"source": ckpt.path, "format": ckpt.format, "merged": model.path,
-                                    "dtype": cfg.dtype, "max_abs_diff": model.meta.get("max_abs_diff"),
-                                    "parity_atol": model.meta.get("parity_atol")}], "merge parity probe")
-    return model

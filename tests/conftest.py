@@ -286,8 +286,9 @@ def _symlink(link: Path, target: Path) -> None:
             raise
 
 
-# tests/verl import verl 0.9.1, which lives in its own environment (.venv-verl-test); the main suite runs them
-# through tests/integration/test_verl_contract.py, so they are collected only where verl is importable.
+# tests/verl import the pinned verl (stages/core/engine_spec.py VERL_VERSION), which lives in its own environment
+# (.venv-verl-test); the main suite runs them through tests/integration/test_verl_contract.py, so they are collected
+# only where verl is importable.
 collect_ignore_glob = [] if importlib.util.find_spec("verl") else ["verl/*"]
 
 

@@ -1,11 +1,11 @@
 """The stages of the pipeline, one line each: every other fact about a stage is derived from this table.
 
 Derived from it: the stage order and the names `--only/--until/--refresh` take (stages.core.selection), the
-`StageName` type of the flow parameters, which config sections' input files are checked before a run and which
-other pre-flight checks run (stages.core.preflight), which stages may run under another interpreter
-(run.interpreters), each stage task's entry point, key function and output folder (tasks.common: the task's name is
-the stage's, the folder under run.output_root too), and the `stage-<name>` deployments (the generated section of
-prefect.yaml: `python -m flows.deployments --write`, checked by tests/unit/test_stage_spec.py).
+`StageName` type of the flow parameters, which config sections' input files are checked before a run and which other
+pre-flight checks run (stages.core.preflight), which stages may run under another interpreter (run.interpreters),
+each stage task (tasks.common.entry_task: its entry point, key function, output folder, publish hook and retries;
+the task's name is the stage's, the folder under run.output_root too), and the `stage-<name>` deployments (the
+generated section of prefect.yaml: `python -m flows.deployments --write`, checked by tests/unit/test_stage_spec.py).
 
 Adding a stage: CONTRIBUTING.md, "Adding a stage" (the one statement of the recipe).
 
@@ -15,6 +15,7 @@ No stage module imports this table (a test holds that), so adding a stage leaves
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +37,9 @@ class StageSpec:
     interpreter (run.interpreters.<name>; `interpreter_hint` says how to build one). part_of: a stage selected,
     refreshed and deployed with another (DPO belongs to SFT). group: the selection group it belongs to (`eval` =
     infer + score + report), which is also its deployment. checks: the pre-flight checks it needs beyond its input
-    files."""
+    files. publish: "module:function" in tasks/ that publishes the stage's artifacts once its entry returns, called
+    with the task's inputs (a dict) and the entry's result (a string here: no stage imports tasks/ or Prefect).
+    retries: how often its task retries a transient failure (bootstrap downloads a model)."""
 
     name: str
     sections: tuple[str, ...]
@@ -47,6 +50,8 @@ class StageSpec:
     group: str | None = None
     checks: tuple[str, ...] = ()
     interpreter_hint: str = ""
+    publish: str = ""
+    retries: int = 1
 
     @property
     def module(self) -> str:
@@ -75,21 +80,35 @@ class StageSpec:
 
 STAGE_SPECS: tuple[StageSpec, ...] = (
     # data first: a bad data file fails in seconds, before a model is downloaded or converted
-    StageSpec("data", ("data",), "stages.data.prepare:prepare_data", "data_key"),
-    StageSpec("bootstrap", ("model",), "stages.bootstrap.model:bootstrap_model", "bootstrap_key"),
-    StageSpec("sft", ("sft", "agent"), "stages.sft.stage:run_sft", "sft_key", isolatable=True, checks=(SEAMS,)),
-    StageSpec("dpo", ("sft", "agent"), "stages.sft.dpo:run_dpo", "dpo_key", isolatable=True, part_of="sft"),
+    StageSpec("data", ("data",), "stages.data.prepare:prepare_data", "data_key", publish="tasks.publish:data_files"),
+    StageSpec("bootstrap", ("model",), "stages.bootstrap.model:bootstrap_model", "bootstrap_key", retries=2),
+    StageSpec("sft", ("sft", "agent"), "stages.sft.stage:run_sft", "sft_key", isolatable=True, checks=(SEAMS,),
+              publish="tasks.publish:sft_curves"),
+    StageSpec("dpo", ("sft", "agent"), "stages.sft.dpo:run_dpo", "dpo_key", isolatable=True, part_of="sft",
+              publish="tasks.publish:dpo_curves"),
     StageSpec("rl", ("rl", "agent"), "stages.rl.stage:run_rl", "rl_key", isolatable=True, checks=(SEAMS, MEMORY),
               interpreter_hint="./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
                                ".venv-verl-cpu"),
-    StageSpec("merge", ("merge",), "stages.rl.merge:merge_checkpoint", "merge_key", isolatable=True),
+    StageSpec("merge", ("merge",), "stages.rl.merge:merge_checkpoint", "merge_key", isolatable=True,
+              publish="tasks.publish:merge_parity"),
     StageSpec("heldout", ("eval", "agent"), "stages.heldout.evaluate:evaluate_heldout", "heldout_key",
               checks=(SEAMS,)),
     StageSpec("infer", ("eval", "agent", "serve"), "stages.eval.inference:run_inference", "infer_key", group="eval",
               checks=(SEAMS, BENCHMARKS)),
     StageSpec("score", ("eval",), "stages.eval.scoring:score_predictions", "scoring_key", group="eval"),
-    StageSpec("report", ("eval",), "stages.eval.report:build_report", "report_key", group="eval"),
+    StageSpec("report", ("eval",), "stages.eval.report:build_report", "report_key", group="eval",
+              publish="tasks.publish:eval_report"),
 )
+
+
+def nearest(name: object, known: Iterable[str]) -> str:
+    """' (did you mean 'a' or 'b'?)' for the names in `known` nearest to `name`; '' when none is near."""
+    close = difflib.get_close_matches(name, list(known), n=3) if isinstance(name, str) else []
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+class StageTableError(ValueError):
+    """A line of the stage table that contradicts the table: raised when the table is built (at import)."""
 
 
 class UnknownStageError(InputError, KeyError):
@@ -104,6 +123,43 @@ class StageTable:
     """What the rest of the project reads off a table of stages."""
 
     specs: tuple[StageSpec, ...]
+
+    def __post_init__(self) -> None:
+        problems = [p for s in self.specs for p in self._problems(s)]
+        names = [s.name for s in self.specs]
+        problems += [f"stage {n!r} has {names.count(n)} lines" for n in dict.fromkeys(names) if names.count(n) > 1]
+        if problems:
+            raise StageTableError("the stage table (stages/core/stage_spec.py): " + "; ".join(problems))
+
+    def _problems(self, line: StageSpec) -> list[str]:
+        """What is wrong with `line` given the other lines: its targets' form, its part_of, its group."""
+        names = [s.name for s in self.specs]
+        targets = [("entry", line.entry), *([("publish", line.publish)] if line.publish else []),
+                   *(("check", c) for c in line.checks)]
+        problems = [f"{line.name}: {what} {target!r} is not 'package.module:function'" for what, target in targets
+                    if not _is_target(target)]
+        if not line.key.isidentifier():
+            problems.append(f"{line.name}: key {line.key!r} is not a function name")
+        if line.retries < 0:
+            problems.append(f"{line.name}: retries {line.retries} is negative")
+        if line.part_of is not None:
+            parent = next((s for s in self.specs if s.name == line.part_of), None)
+            if parent is None:
+                problems.append(f"{line.name}: part_of {line.part_of!r} names no stage{nearest(line.part_of, names)}")
+            elif parent is line or not parent.selectable:
+                problems.append(f"{line.name}: part_of {line.part_of!r} is not a stage selected on its own (a part "
+                                "names the stage it runs with, never itself or another part)")
+            if line.group:  # selected, refreshed and deployed with its parent: a deployment of its own contradicts it
+                problems.append(f"{line.name}: a stage part_of {line.part_of!r} has no group ({line.group!r})")
+        if line.group:
+            others = {s.group for s in self.specs if s.group and s.group != line.group}
+            if line.group in names:
+                problems.append(f"{line.name}: group {line.group!r} is also a stage's name: `--only {line.group}` "
+                                f"and the deployment stage-{line.group} would mean two things")
+            elif [s.group for s in self.specs].count(line.group) < 2:  # one stage is selected by its own name
+                problems.append(f"{line.name}: group {line.group!r} names no other stage (a group is several stages "
+                                f"selected and deployed together, as stage-<group>){nearest(line.group, others)}")
+        return problems
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -156,14 +212,18 @@ class StageTable:
         if part is not None:
             return f"stage {name!r} runs and refreshes as part of {part.part_of!r}: select {part.part_of!r}"
         known = (*self.stages, *self.groups) if selectable else tuple(s.name for s in self.specs)
-        close = difflib.get_close_matches(name, known, n=3) if isinstance(name, str) else []
-        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        hint = nearest(name, known)
         groups = ", ".join(f"'{g}' for {'+'.join(members)}" for g, members in self.groups.items())
         return (f"unknown stage {name!r}{hint}; the stages are {', '.join(self.stages if selectable else known)}"
                 + (f" (or {groups})" if selectable and groups else "") + " (stages/core/stage_spec.py)")
 
 
-TABLE = StageTable(STAGE_SPECS)
+def _is_target(target: str) -> bool:
+    module, sep, function = target.partition(":")
+    return bool(sep) and function.isidentifier() and all(part.isidentifier() for part in module.split("."))
+
+
+TABLE = StageTable(STAGE_SPECS)  # checked as it is built: a line that contradicts the others fails the import
 SPECS: dict[str, StageSpec] = {s.name: s for s in STAGE_SPECS}
 STAGES: tuple[str, ...] = TABLE.stages
 GROUPS: dict[str, tuple[str, ...]] = TABLE.groups

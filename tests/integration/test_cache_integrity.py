@@ -15,8 +15,7 @@ from stages.core.config.loader import load_config
 from stages.core.refs import Ref
 from stages.core.selection import select_stages
 from stages.core.workspace import stage_dir
-from tasks.common import forced, run_stage, stage_task
-from tasks.data import data_task
+from tasks.common import entry_task, forced, run_stage, stage_task
 
 pytestmark = pytest.mark.integration
 BIG = 2 << 20  # above manifest.CHEAP_BYTES: a quick check only looks at its size and time
@@ -30,7 +29,7 @@ def _prefect(prefect_harness):
 @flow
 def data_flow(seed: int, root: str, verify: bool = False) -> tuple[str, Ref]:
     cfg = load_config("tiny-cpu", [f"data.synthetic.seed={seed}"])
-    state = run_stage(data_task, select_stages(), cfg.data, root, return_state=True)
+    state = run_stage(entry_task("data"), select_stages(), cfg.data, root, return_state=True)
     return state.name, state.result()
 
 

@@ -126,14 +126,15 @@ def test_math_scores_and_report_with_published_numbers(tmp_path):
 
 
 def test_score_task_cache_ignores_the_judge_url_but_not_its_identity(tmp_path, prefect_harness):
-    from tasks.eval_score import report_task, score_task
+    from tasks.common import entry_task
 
     preds = _gaia(tmp_path)
 
     @flow
     def score_flow(judge) -> tuple[str, str]:
-        state = score_task(CFG, preds, judge, str(tmp_path / "out"), str(tmp_path / "cache"), return_state=True)
-        report = report_task(CFG, [state.result()], str(tmp_path / "out"), return_state=True)
+        state = entry_task("score")(CFG, preds, judge, str(tmp_path / "out"), str(tmp_path / "cache"),
+                                    return_state=True)
+        report = entry_task("report")(CFG, [state.result()], str(tmp_path / "out"), return_state=True)
         return state.name, report.name
 
     with FakeJudgeServer() as first, FakeJudgeServer() as second:

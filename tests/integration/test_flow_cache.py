@@ -14,9 +14,7 @@ from stages.core.config.loader import ConfigError, load_config
 from stages.core.refs import DatasetRef
 from stages.core.selection import select_stages
 from stages.data.prepare import data_key
-from tasks.bootstrap import bootstrap_task
-from tasks.common import call_stage, forced, run_stage, stage_task
-from tasks.data import data_task
+from tasks.common import call_stage, entry_task, forced, run_stage, stage_task
 from tests.conftest import PROJECT_ROOT, TEST_OUTPUTS
 
 
@@ -30,10 +28,11 @@ def two_stages(overrides: list[str], refresh: list[str]) -> dict[str, str]:
     cfg = load_config("tiny-cpu", overrides)
     selection = select_stages(refresh=refresh)
     states = {}
-    states["bootstrap"] = run_stage(bootstrap_task, selection, cfg.model, str(TEST_OUTPUTS),
+    states["bootstrap"] = run_stage(entry_task("bootstrap"), selection, cfg.model, str(TEST_OUTPUTS),
                                     str(PROJECT_ROOT / ".cache"), return_state=True)
     # the data stage keys on its own section only; a refreshed bootstrap would not change it
-    states["data"] = run_stage(data_task, selection, cfg.data, str(TEST_OUTPUTS / "flowtest"), return_state=True)
+    states["data"] = run_stage(entry_task("data"), selection, cfg.data, str(TEST_OUTPUTS / "flowtest"),
+                               return_state=True)
     return {name: state.name for name, state in states.items()}
 
 
@@ -62,7 +61,7 @@ def test_refreshed_output_gets_a_new_fingerprint(tmp_path: Path) -> None:
     @flow
     def data_only(refresh: bool) -> str:
         selection = select_stages(refresh=["data"] if refresh else [])
-        return run_stage(data_task, selection, cfg.data, str(tmp_path)).fingerprint
+        return run_stage(entry_task("data"), selection, cfg.data, str(tmp_path)).fingerprint
 
     first = data_only(False)
     assert data_only(False) == first
@@ -96,18 +95,22 @@ def test_interpreters_only_for_training_stages() -> None:
 
 def test_a_stage_added_as_one_line_runs_cached_in_a_flow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The unit test's new stage (tests/unit/test_stage_spec.py: one table line and its package), run by a flow
-    through the task the table builds: computed once, then a cache hit on its own key, recomputed when refreshed."""
+    through the task the table builds: computed once, then a cache hit on its own key, recomputed when refreshed; the
+    publish hook its line names gets the task's inputs and the stage's result each time the task runs."""
     from stages.core import stage_spec
     from stages.core.refs import CheckpointRef
     from stages.core.stage_spec import SPECS, STAGE_SPECS, StageSpec, StageTable
-    from tasks.common import StageRunner, entry_task
+    from tasks.common import StageRunner
     from tests.unit.test_stage_spec import DISTILL
 
     (tmp_path / "distill_flow_stage").mkdir()
     (tmp_path / "distill_flow_stage" / "__init__.py").write_text("")
     (tmp_path / "distill_flow_stage" / "stage.py").write_text(DISTILL)
+    (tmp_path / "distill_flow_stage" / "hook.py").write_text(
+        "PUBLISHED = []\n\ndef published(inputs, result):\n    PUBLISHED.append((inputs['policy'].path, result.path))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    line = StageSpec("distill", ("rl",), "distill_flow_stage.stage:run_distill", "distill_key")
+    line = StageSpec("distill", ("rl",), "distill_flow_stage.stage:run_distill", "distill_key",
+                     publish="distill_flow_stage.hook:published")
     specs = list(STAGE_SPECS)
     specs.insert(specs.index(SPECS["rl"]) + 1, line)
     monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(specs)))
@@ -120,8 +123,10 @@ def test_a_stage_added_as_one_line_runs_cached_in_a_flow(tmp_path: Path, monkeyp
         state = stages.run(entry_task("distill"), cfg.rl, policy, return_state=True)  # the one wiring line
         return state.name, state.result().path
 
+    from distill_flow_stage.hook import PUBLISHED
+
     state, path = with_distill([])
     assert state == "Completed" and (Path(path) / "student.txt").read_text() == "distilled from /policy"
-    assert Path(path).parent == tmp_path / "out" / "distill"
-    assert with_distill([]) == ("Cached", path)
-    assert with_distill(["distill"])[0] == "Completed"
+    assert Path(path).parent == tmp_path / "out" / "distill" and PUBLISHED == [("/policy", path)]
+    assert with_distill([]) == ("Cached", path) and len(PUBLISHED) == 1  # a cache hit runs no task body
+    assert with_distill(["distill"])[0] == "Completed" and len(PUBLISHED) == 2

@@ -194,14 +194,13 @@ def test_a_missing_file_while_the_key_is_computed_fails_the_task_once(tmp_path: 
     from prefect.logging.handlers import APILogWorker
 
     from stages.core.selection import select_stages
-    from tasks.common import run_stage
-    from tasks.data import data_task
+    from tasks.common import entry_task, run_stage
 
     cfg = load_config("tiny-cpu", ["data.source=parquet", f"data.train_path={tmp_path / 'gone.parquet'}"])
 
     @flow
     def data_only():
-        state = run_stage(data_task, select_stages(), cfg.data, str(tmp_path), return_state=True)
+        state = run_stage(entry_task("data"), select_stages(), cfg.data, str(tmp_path), return_state=True)
         return state, state.result(raise_on_failure=False)
 
     state, exc = data_only()

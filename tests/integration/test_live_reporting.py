@@ -14,9 +14,10 @@ import pytest
 from prefect import flow, task
 
 from stages.core.config.loader import ConfigError, load_config
+from stages.core.engine_spec import VERL_VERSION
 from stages.core.refs import ScoresRef
 from tasks.common import call_stage, stage_task
-from tasks.eval_score import scores_as_they_finish
+from tasks.publish import scores_as_they_finish
 from tasks.rl import publish_card, rl_task
 from tests.conftest import PROJECT_ROOT
 
@@ -208,5 +209,5 @@ def test_the_algorithm_card_of_the_verl_config_reaches_the_ui() -> None:
     _, artifacts, _ = _read(card_flow(), want_events=0)
     (card,) = [a for a in artifacts if a.key == "rl-algorithm-card"]
     rows = {row["mechanism"]: row for row in json.loads(card.data)}
-    assert "read back from the verl 0.9.1 overrides" in rows["engine"]["this run"]
+    assert f"read back from the verl {VERL_VERSION} overrides" in rows["engine"]["this run"]
     assert rows["entropy-aware advantage"]["verdict"] == "differs" and "aepo on the verl engine" in card.description

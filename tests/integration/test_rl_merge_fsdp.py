@@ -1,6 +1,7 @@
 """verl FSDP shard merge: shards written by 2 real gloo ranks as DTensors (Shard(0), Shard(1), Replicate) are
 reassembled into an HF folder whose weights equal the original exactly, streamed into several safetensors shards
-equal to the in-memory reference assembly; the merge stage on verl 0.9.1's own checkpoint, and after a crash."""
+equal to the in-memory reference assembly; the merge stage on a checkpoint of the pinned verl's own
+(stages/core/engine_spec.py VERL_VERSION), and after a crash."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def test_missing_rank_is_named(tmp_path):
 
 
 def test_merge_stage_takes_a_verl_checkpoint_in_verl_0_9_1_layout(tmp_path):
-    """tests/fixtures/verl_fsdp_0.9.1 was written by verl 0.9.1's own FSDPCheckpointManager (2 FSDP2 ranks;
+    """tests/fixtures/verl_fsdp_0.9.1 was written by that verl's own FSDPCheckpointManager (2 FSDP2 ranks;
     tests/verl/fsdp_fixture.py, layout re-checked by tests/verl/test_checkpoint.py): the merge stage assembles it,
     passes its parity probe and writes bfloat16 weights equal to the original ones rounded."""
     from safetensors.torch import load_file

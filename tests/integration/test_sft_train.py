@@ -111,14 +111,14 @@ def test_prefect_task_is_cached_and_publishes_loss_and_metrics(trained, tiny_con
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.sft import sft_task
+    from tasks.common import entry_task
 
     cfg, ref = trained
 
     @flow
     def sft_only() -> tuple[str, str]:
-        state = sft_task(cfg, tiny_config.agent, tiny_model, synthetic_data, str(TEST_OUTPUTS / "sft-train"),
-                         str(TEST_OUTPUTS.parent), return_state=True)
+        state = entry_task("sft")(cfg, tiny_config.agent, tiny_model, synthetic_data, str(TEST_OUTPUTS / "sft-train"),
+                                  str(TEST_OUTPUTS.parent), return_state=True)
         return state.name, state.result().fingerprint
 
     # the stage folder is complete, so the task's first run only reads it (and publishes); the second is a hit

@@ -13,7 +13,8 @@ heartbeats before it marks the killed run Crashed, and each fresh shell pays the
 tiny steps on the base model.
 
 Everything runs in a copy of this checkout (its tracked and new files; the venv and .cache are shared) whose
-prefect.toml differs only in the port, so the test's server never meets a developer's server on 4200.
+prefect.toml differs only in the port (flows.server.toml_on_port), so the test's server never meets a developer's
+server on the project's own port.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from flows.automations import crash_silent_runs
+from flows.server import toml_on_port
 from stages.core.env import PROJECT_ROOT
 from tests.conftest import TEST_OUTPUTS, module_scratch, require_chromium
 
@@ -75,9 +77,7 @@ def project(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     (root / "outputs").mkdir()
     (root / "outputs" / "bootstrap").symlink_to(TEST_OUTPUTS / "bootstrap")  # the converted tiny model, reused
     port = _free_port()
-    toml = (PROJECT_ROOT / "prefect.toml").read_text()
-    assert toml.count('url = "http://127.0.0.1:4200/api"') == 1
-    (root / "prefect.toml").write_text(toml.replace("4200", str(port)))
+    (root / "prefect.toml").write_text(toml_on_port((PROJECT_ROOT / "prefect.toml").read_text(), port))
     home = root.parent / "home"
     home.mkdir()
 

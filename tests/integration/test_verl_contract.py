@@ -1,7 +1,7 @@
-"""Runs the verl 0.9.1 contract tests (tests/verl) in their own environment, .venv-verl-test, which
-./scripts/test.sh builds with ./scripts/setup-verl.sh --test. verl's pins (transformers 5.9, tensordict) cannot
-share the project venv, so the suite crosses as a subprocess; its output is shown when it fails. In CI a missing
-environment is a failure, never a skip."""
+"""Runs the verl contract tests (tests/verl, on the pinned verl: stages/core/engine_spec.py VERL_VERSION) in their own
+environment, .venv-verl-test, which ./scripts/test.sh builds with ./scripts/setup-verl.sh --test. verl's pins
+(transformers 5.9, tensordict) cannot share the project venv, so the suite crosses as a subprocess; its output is shown
+when it fails. In CI a missing environment is a failure, never a skip."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import tasks
 from stages.agent.tools import PythonTool, SearchTool
 from stages.core.codeversion import STAGES, CodeIndex, code_text, code_version
 from stages.core.stage_spec import SPECS
-from tasks.common import StageKey
+from tasks.common import StageKey, entry_task
 
 STAGES_DIR = STAGES.package_dir
 ENTRIES = {"bootstrap": "stages.bootstrap.model", "data": "stages.data.prepare", "sft": "stages.sft.stage",
@@ -45,13 +45,14 @@ def test_code_text_cuts_docstrings_after_non_ascii_text() -> None:
 
 
 def _stage_tasks() -> dict[str, Task]:
+    """Each stage's task: the one a tasks/ module writes by hand, else the one its table line builds."""
     found = {}
     for info in pkgutil.iter_modules(tasks.__path__):     # every task module: a new one is checked without a list
         module = importlib.import_module(f"tasks.{info.name}")
         for value in vars(module).values():
             if isinstance(value, Task) and isinstance(value.cache_policy, StageKey):
                 found[value.cache_policy.stage] = value
-    return found
+    return {stage: found.get(stage) or entry_task(stage) for stage in SPECS} | found
 
 
 def _called_stage_modules(task: Task) -> set[str]:

@@ -31,6 +31,16 @@ def test_prefect_toml_names_the_server_arpo_starts():
     assert f"http://127.0.0.1:{cli.default_port()})" in build_parser().format_help()  # `arpo server`'s line
 
 
+def test_a_copy_of_the_project_moves_its_server_to_a_port_of_its_own():
+    # what the UI test's checkout copy and the tiny-chain bench's clone do to their prefect.toml
+    text = (PROJECT_ROOT / "prefect.toml").read_text()
+    moved = cli.toml_on_port(text, 54321)
+    assert tomllib.loads(moved)["api"]["url"] == "http://127.0.0.1:54321/api"
+    assert moved.replace(":54321/", f":{cli.default_port()}/") == text  # nothing else changed
+    with pytest.raises(ValueError, match="must name a port"):
+        cli.toml_on_port('[api]\nurl = "http://127.0.0.1/api"\n', 54321)
+
+
 def test_a_fresh_shell_in_the_repo_reads_prefect_toml(tmp_path):
     code = "from prefect.settings import get_current_settings as s; print(s().api.url, s().flows.heartbeat_frequency)"
     out = subprocess.run(["env", "-i", f"HOME={tmp_path}", "PATH=/usr/bin:/bin", sys.executable, "-c", code],

@@ -1,11 +1,13 @@
 """The stage table (stages/core/stage_spec.py) is the one place a stage is described: the stage order, the names
 the flows accept, the interpreters, the pre-flight, the tasks (entry point and key), the output folders and the
 stage deployments are all read off it, a misspelled stage name fails with the nearest names, and a new stage is one
-line plus its own package (docs/caching.md, README "Layout")."""
+line plus its own package, its task built from the line (docs/caching.md, CONTRIBUTING.md "Adding a stage"); a line
+that contradicts the others fails when the table is built."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import pkgutil
@@ -30,6 +32,7 @@ from stages.core.stage_spec import (
     StageName,
     StageSpec,
     StageTable,
+    StageTableError,
     UnknownStageError,
 )
 
@@ -65,6 +68,42 @@ def test_a_misspelled_stage_name_fails_with_the_nearest_names() -> None:
     with pytest.raises(UnknownStageError, match=r"'heldot' \(did you mean 'heldout'\?\)"):
         entry_task("heldot")
     assert select_stages(only=["sft"]).refreshes("dpo") is False and select_stages(refresh=["sft"]).refreshes("dpo")
+
+
+@pytest.mark.parametrize(("stage", "change", "message"), [
+    ("dpo", {"part_of": "sfft"}, r"dpo: part_of 'sfft' names no stage \(did you mean 'sft'\?\)"),
+    ("dpo", {"part_of": "dpo"}, r"dpo: part_of 'dpo' is not a stage selected on its own"),
+    ("dpo", {"group": "eval"}, r"dpo: a stage part_of 'sft' has no group \('eval'\)"),
+    ("score", {"group": "evl"}, r"score: group 'evl' names no other stage .*\(did you mean 'eval'\?\)"),
+    ("infer", {"group": "data"}, r"infer: group 'data' is also a stage's name: `--only data` and the deployment "
+                                 r"stage-data would mean two things"),
+    ("data", {"publish": "tasks.publish.data_files"},
+     r"data: publish 'tasks.publish.data_files' is not 'package.module:function'"),
+    ("merge", {"entry": "stages.rl.merge"}, r"merge: entry 'stages.rl.merge' is not 'package.module:function'"),
+], ids=["part_of-typo", "part_of-itself", "part-with-group", "group-typo", "group-is-a-stage", "publish", "entry"])
+def test_a_line_that_contradicts_the_table_fails_when_the_table_is_built(stage: str, change: dict,
+                                                                        message: str) -> None:
+    # hand-built bad lines: each is the real table with one line changed
+    lines = tuple(dataclasses.replace(s, **change) if s.name == stage else s for s in STAGE_SPECS)
+    with pytest.raises(StageTableError, match=r"^the stage table \(stages/core/stage_spec.py\): " + message):
+        StageTable(lines)
+
+
+def test_a_stage_with_two_lines_fails_when_the_table_is_built() -> None:
+    with pytest.raises(StageTableError, match="stage 'merge' has 2 lines"):
+        StageTable((*STAGE_SPECS, SPECS["merge"]))
+
+
+def test_a_stage_without_a_module_of_its_own_gets_its_task_from_its_line() -> None:
+    from tasks.common import StageKey, entry_task
+
+    heldout = entry_task("heldout", "sft")   # the flow runs heldout once per policy: the run is named after it
+    assert (heldout.name, heldout.task_run_name, entry_task("heldout").task_run_name) == ("heldout", "heldout-sft",
+                                                                                           "heldout")
+    assert isinstance(heldout.cache_policy, StageKey) and heldout.cache_policy.target == SPECS["heldout"].key_target
+    assert list(inspect.signature(heldout.fn).parameters) == ["spec", "agent", "policy", "data", "output_root",
+                                                              "cache_root"]  # the entry's, `force` left out
+    assert (entry_task("bootstrap").retries, entry_task("data").retries) == (2, 1)  # the lines' `retries`
 
 
 # a new stage's own package, as its author writes it: an entry point and a key function in one module
@@ -165,17 +204,25 @@ def _folder_names(module: str) -> set[str]:
 
 @pytest.mark.parametrize("spec", STAGE_SPECS, ids=lambda s: s.name)
 def test_each_stage_writes_the_folder_named_after_it_with_the_key_the_table_names(spec: StageSpec) -> None:
-    from tasks.common import StageKey
+    from tasks.common import StageKey, entry_task
 
     module = importlib.import_module(spec.module)
     assert callable(getattr(module, spec.entry.partition(":")[2])) and callable(getattr(module, spec.key))
     assert _folder_names(spec.module) == {spec.name}
+    if spec.publish:  # like the entry: a function, in tasks/ (a stage never imports Prefect), taking (inputs, result)
+        hook_module, _, name = spec.publish.partition(":")
+        hook = getattr(importlib.import_module(hook_module), name)
+        assert hook_module.startswith("tasks.") and callable(hook)
+        inspect.signature(hook).bind({}, None)
     import tasks as task_package  # every task module, found, not listed
 
-    tasks = [t for info in pkgutil.iter_modules(task_package.__path__)
-             for t in vars(importlib.import_module(f"tasks.{info.name}")).values()
-             if isinstance(getattr(t, "cache_policy", None), StageKey) and t.cache_policy.stage == spec.name]
-    assert tasks and all(t.name == spec.name and t.cache_policy.function.__name__ == spec.key for t in tasks)
+    written = [t for info in pkgutil.iter_modules(task_package.__path__)
+               for t in vars(importlib.import_module(f"tasks.{info.name}")).values()
+               if isinstance(getattr(t, "cache_policy", None), StageKey) and t.cache_policy.stage == spec.name]
+    assert not (written and spec.publish), f"{spec.name}: a task written by hand publishes itself; the line names " \
+        "a hook only for the task entry_task builds"
+    tasks = written or [entry_task(spec.name)]  # no module of its own: the task its line builds
+    assert all(t.name == spec.name and t.cache_policy.function.__name__ == spec.key for t in tasks)
 
 
 def test_no_stage_reads_the_table() -> None:

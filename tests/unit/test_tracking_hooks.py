@@ -96,7 +96,7 @@ def test_verl_logs_to_the_tracker_through_its_own_logger() -> None:
                            "MLFLOW_HTTP_REQUEST_TIMEOUT": "20", "WANDB_DISABLED": "false"},
                       report_to="mlflow", verl_logger="mlflow", project="arpo-tiny-cpu", name="rl-0123456789-verl")
     o = _overrides(handoff)
-    # verl 0.9.1 verl/utils/tracking.py: "mlflow" in trainer.logger reads MLFLOW_TRACKING_URI and resumes
+    # verl/utils/tracking.py (the pinned verl): "mlflow" in trainer.logger reads MLFLOW_TRACKING_URI and resumes
     # MLFLOW_RUN_ID in the trainer's process (Ray's runtime env reaches it); the file logger stays (metrics.jsonl)
     assert o["trainer.logger"] == "[console,file,mlflow]"
     assert o["trainer.project_name"] == "arpo-tiny-cpu" and o["trainer.experiment_name"] == "rl-0123456789-verl"
