@@ -8,6 +8,8 @@ code 3 means the Prefect server the run reports to stopped answering (finished s
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 
@@ -16,6 +18,12 @@ from flows.automations import CRASH_AFTER_S
 from flows.launch import ServerLost, run_pipeline
 from flows.server import default_port, start_prefect_server
 from stages.core.env import configure_environment
+
+# The last exit hook (registered first, run last): after Prefect's log and event flush and the temporary server's
+# stop, the interpreter's final garbage collection would walk everything Prefect and mlflow loaded, 0.8-1.0 s of
+# CPU on the 2-core box (docs/benchmarks.md, the tiny chain); frozen objects are left to the OS, which frees them
+# at once.
+atexit.register(gc.freeze)
 
 
 def main(argv: list[str] | None = None) -> int:

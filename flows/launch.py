@@ -21,18 +21,22 @@ class ServerLost(Exception):
 def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace, cfg: Any = None) -> dict:
     """Check everything that can be checked before work starts (stages.core.preflight), then run the flow;
     returns the flow's summary. `cfg`: the config of (profile, overrides) when the caller loaded it already."""
-    from flows.server import use_local_server_if_running
+    from flows.server import ephemeral_server_ready, use_local_server_if_running
     from stages.core.config.loader import load_config
     from stages.core.env import free_cpu_threads
     from stages.core.preflight import preflight
     from stages.core.selection import select_stages
+    from stages.core.tracking.pipeline import preload
 
     cfg = cfg if cfg is not None else load_config(profile, overrides)  # fail fast on config errors
     selection = select_stages(args.only, args.until, args.refresh, args.refresh_from)
     preflight(cfg, selection, remember=True)  # inputs, interpreters, seams, memory, benchmarks: before Prefect
     threads = cfg.run.torch_threads or free_cpu_threads()  # the cores free at start
-    ui = use_local_server_if_running(ephemeral=args.ephemeral)
+    ui = use_local_server_if_running(ephemeral=args.ephemeral, wait=False)  # a temporary one boots meanwhile
     pipeline = import_flow()
+    if ui is None:  # while the temporary server boots on the other core: the tracker's library, which the flow's
+        preload(cfg.tracking)  # first task imports (mlflow: 1.5 s of CPU), then wait for the server
+        ephemeral_server_ready()
     from tasks.common import TORCH_THREADS_ENV
 
     os.environ[TORCH_THREADS_ENV] = str(threads)  # torch's threads, applied when a stage task runs here

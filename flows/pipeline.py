@@ -19,7 +19,7 @@ from prefect import flow
 from flows.evaluate import FANOUT
 from stages.core.config.loader import Override, Profile, load_config
 from stages.core.inputs import check_rl_rows
-from stages.core.preflight import preflight
+from stages.core.preflight import after_bootstrap, preflight
 from stages.core.selection import StageName, select_stages
 from tasks.common import StageRunner, entry_task, run_stage
 from tasks.cost import cost_plan_task
@@ -37,7 +37,7 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
     verify: check every byte of each cached output before it is reused (else sizes and small files)."""
     cfg = load_config(profile, overrides or [])  # a bad key fails here, before any work
     selection = select_stages(only, until, refresh, refresh_from)
-    preflight(cfg, selection)  # so does a missing or malformed input file (passed already when `arpo run` started us)
+    checked = preflight(cfg, selection)  # so does a missing or malformed input file (passed already by `arpo run`)
     run_dir = record_config_task(cfg, selection.describe())
     cost_plan_task(cfg, run_dir)  # what the run will cost, before it starts (arpo plan)
     stages = StageRunner(selection, cfg.run)  # each call: refresh, output/cache roots, interpreter (run.interpreters)
@@ -49,6 +49,7 @@ def pipeline(profile: Profile = "tiny-cpu", overrides: list[Override] | None = N
     if not selection.runs("bootstrap"):  # `--until data` checks the data without fetching a model
         return summary_task(run_dir, refs)
     refs["bootstrap"] = base = model = stages.run(entry_task("bootstrap"), cfg.model)
+    after_bootstrap(cfg, selection, checked)  # the seam checks a first run skipped (no tokenizer yet), before SFT
     if selection.runs("sft"):
         refs["sft"] = policy = stages.run(entry_task("sft"), cfg.sft, cfg.agent, model, data)
         if cfg.sft.dpo.enabled:  # self-critic DPO belongs to the SFT stage: refreshed with it

@@ -5,7 +5,9 @@
 In order: the config (loaded and validated by stages.core.config.loader before this is called: a bad key never
 gets here), the input files of every config section the selected stages read and the interpreters they run under
 (stages.core.input_check), then each pre-flight check the stage table names for the selected stages
-(stages.core.stage_spec: the seam checks, the memory model, the benchmark files), each distinct check once.
+(stages.core.stage_spec: the seam checks, the memory model, the benchmark files), each distinct check once. A check
+that reads the bootstrapped model (the seam checks) is skipped until it is on this machine: the flow runs it right
+after the bootstrap stage (`after_bootstrap`).
 
 `arpo run` calls it before Prefect is imported, the flow calls it first thing (a deployment's run has no CLI in
 front of it), and `arpo rehearse` calls it once its toy model is built. The CLI's and the rehearsal's calls
@@ -25,9 +27,12 @@ from stages.core.fingerprint import hash_value
 from stages.core.input_check import check_inputs
 from stages.core.log import get_logger
 from stages.core.selection import StageSelection
-from stages.core.stage_spec import table
+from stages.core.stage_spec import SEAMS, table
 
 log = get_logger(__name__)
+# the checks that read the bootstrap stage's output (the seam checks: its tokenizer); before it is on this machine
+# they are skipped and return None, and the flow runs them once the bootstrap stage has (`after_bootstrap`)
+READ_THE_MODEL = (SEAMS,)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,21 @@ def preflight(cfg: Any, selection: StageSelection, remember: bool = False) -> Pr
     if remember:
         _PASSED[memo] = done
     return done
+
+
+def after_bootstrap(cfg: Any, selection: StageSelection, found: Preflight) -> Preflight:
+    """Run the checks `found` (this run's pre-flight) skipped because the model was not on this machine yet, now
+    that the bootstrap stage has put it there and before any stage trains on it: a first run checks its seams before
+    SFT, and its cached rerun's pre-flight finds their pass remembered (a file lookup under <cache_root>/seams/)
+    instead of importing transformers and LLaMA-Factory for them: 6.5 s of the first cached rerun on the 2-core box
+    (docs/benchmarks.md, the tiny chain). Raises as `preflight` does; returns `found` with their results added."""
+    stages = selection.run
+    skipped = [c for c in table().checks(stages) if c in READ_THE_MODEL and found.result(c) is None]
+    if not skipped:
+        return found
+    from stages.core.isolate import resolve
+
+    return Preflight(found.stages, {**found.results, **{check: resolve(check)(cfg, stages) for check in skipped}})
 
 
 def finished_folder(output_root: str, stage: str, **inputs: Any) -> Path | None:

@@ -79,8 +79,10 @@ def test_without_a_server_arpo_run_goes_ephemeral(no_server, monkeypatch):
     # the run gets its own temporary server, named in PREFECT_API_URL (which beats prefect.toml's URL), instead of
     # an error; never an empty PREFECT_API_URL, which sends Prefect's events to "" (a traceback per event)
     started = []
-    monkeypatch.setattr(cli, "start_ephemeral_server", lambda: started.append(1))
-    assert cli.use_local_server_if_running() is None and started == [1]
+    monkeypatch.setattr(cli, "start_ephemeral_server", lambda wait=True: started.append(wait))
+    assert cli.use_local_server_if_running() is None and started == [True]
+    # `arpo run` goes on importing Prefect and the flow while it boots (flows/launch.py waits for it after)
+    assert cli.use_local_server_if_running(wait=False) is None and started == [True, False]
 
 
 def test_the_project_server_is_used_when_it_answers(no_server, monkeypatch):
@@ -89,7 +91,7 @@ def test_the_project_server_is_used_when_it_answers(no_server, monkeypatch):
     assert os.environ["PREFECT_API_URL"] == TOML["api"]["url"]
     # --ephemeral wins over a server that answers
     started = []
-    monkeypatch.setattr(cli, "start_ephemeral_server", lambda: started.append(1))
+    monkeypatch.setattr(cli, "start_ephemeral_server", lambda wait=True: started.append(1))
     assert cli.use_local_server_if_running(ephemeral=True) is None and started == [1]
 
 
@@ -110,7 +112,40 @@ def test_flow_parameters_offer_choices():
         pipeline.validate_parameters({"overrides": ["rl.rollout.n 8"]})
 
 
-def test_an_ephemeral_run_has_a_database_of_its_own(no_server, monkeypatch, tmp_path):
+class FakeLaunch:
+    """Stands in for the process manager's launch: records the command and environment the temporary server would
+    get, writes the SQLite file a server would migrate (a table), starts nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, cmd, log_path, env=None, supervised=True):
+        import sqlite3
+
+        self.calls.append({"cmd": cmd, "env": env, "supervised": supervised})
+        db = next(v for k, v in env.items() if k == "PREFECT_SERVER_DATABASE_CONNECTION_URL").split(":///", 1)[1]
+        with sqlite3.connect(db) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS migrated (n INTEGER)")
+        return type("Proc", (), {"pid": -1, "poll": lambda self: None})()
+
+
+@pytest.fixture
+def fake_server(no_server, monkeypatch, tmp_path):
+    """A temporary server that starts nothing, in a Prefect home of its own; its exit hooks are collected, not run."""
+    from stages.core import procs
+    from stages.core.env import DATABASE_URL_KEYS
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    for key in DATABASE_URL_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    launch, hooks = FakeLaunch(), []
+    monkeypatch.setattr(procs, "launch", launch)
+    monkeypatch.setattr(procs, "wait_ready", lambda *a, **k: True)
+    monkeypatch.setattr(cli.atexit, "register", lambda fn, *args: hooks.append((fn, args)))
+    return launch, hooks
+
+
+def test_an_ephemeral_run_has_a_database_of_its_own(fake_server, tmp_path):
     # `arpo run --ephemeral` beside a running `arpo server`: both SQLite servers on <PREFECT_HOME>/prefect.db ended
     # the run with "database is locked" (issue 31). The run's temporary server gets <PREFECT_HOME>/ephemeral/<pid>/;
     # the result store (what a cached rerun reads) stays where it is.
@@ -120,35 +155,55 @@ def test_an_ephemeral_run_has_a_database_of_its_own(no_server, monkeypatch, tmp_
 
     from stages.core.env import DATABASE_URL_KEYS
 
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
-    for key in DATABASE_URL_KEYS:
-        monkeypatch.delenv(key, raising=False)
+    launch, hooks = fake_server
     server = Settings()  # what `arpo server start` (a process without the run's variables) serves from
     assert server.server.database.connection_url.get_secret_value() == f"sqlite+aiosqlite:///{tmp_path}/prefect.db"
     dead = sp.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                   check=True).stdout.strip()
     (tmp_path / "ephemeral" / dead).mkdir(parents=True)  # left by a killed run: pruned
 
-    seen = {}
-
-    class FakeServer:  # records what the server subprocess would inherit, starts nothing
-        def __init__(self, port):
-            self.api_url = f"http://127.0.0.1:{port}/api"
-
-        def start(self, timeout):
-            seen.update(os.environ)
-
-    monkeypatch.setattr("prefect.server.api.server.SubprocessASGIServer", FakeServer)
-    cli.start_ephemeral_server()
+    api = cli.start_ephemeral_server()
+    assert os.environ["PREFECT_API_URL"] == api
     run = Settings()
     own = f"sqlite+aiosqlite:///{tmp_path}/ephemeral/{os.getpid()}/prefect.db"
     assert own != f"sqlite+aiosqlite:///{tmp_path}/prefect.db"
+    seen = launch.calls[0]["env"]
     assert all(seen[key] == own for key in DATABASE_URL_KEYS)         # the server's process gets its own database
     # ... and ours keeps no database variable: a process it starts later (`arpo server start`, a test's server)
     # would otherwise open a folder that is removed at exit
     assert not any(key in os.environ for key in DATABASE_URL_KEYS)
     assert (tmp_path / "ephemeral" / str(os.getpid())).is_dir() and not (tmp_path / "ephemeral" / dead).exists()
     assert run.results.local_storage_path == server.results.local_storage_path and run.home == server.home
+    # Prefect's own command for its temporary server (SubprocessASGIServer's), under the process manager's
+    # supervisor (it ends with this process even when this one is killed), without importing Prefect's server here
+    cmd = launch.calls[0]["cmd"]
+    assert cmd[1:3] == ["-m", "uvicorn"] and cmd[cmd.index("--factory") + 1] == cli.EPHEMERAL_APP
+    assert launch.calls[0]["supervised"] and {k: seen[k] for k in cli.EPHEMERAL_ENV} == cli.EPHEMERAL_ENV
+    # at exit: the server stops first, then its folder goes (atexit runs the last registered first)
+    assert [fn.__name__ for fn, _ in hooks] == ["rmtree", "stop"]
+
+
+def test_a_temporary_server_starts_from_a_migrated_copy(fake_server, tmp_path):
+    # the first temporary server of a Prefect version migrates an empty database (2.5 s of its start); a copy of it
+    # is kept, and every later one starts from that copy, so Prefect's migrations find nothing to do
+    import sqlite3
+
+    launch, hooks = fake_server
+    template = cli.ephemeral_template()
+    assert template.parent == tmp_path / "ephemeral" and not template.exists()
+    cli.start_ephemeral_server()
+    assert template.is_file()
+    with sqlite3.connect(template) as conn:
+        assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("migrated",)]
+    folder = tmp_path / "ephemeral" / str(os.getpid())
+    (folder / "prefect.db").unlink()
+    with sqlite3.connect(template) as conn:  # what the next server finds in its database is the template's
+        conn.execute("CREATE TABLE from_template (n INTEGER)")
+    cli.start_ephemeral_server(wait=False)  # `arpo run`'s way: its wait comes later
+    with sqlite3.connect(folder / "prefect.db") as conn:
+        assert ("from_template",) in conn.execute("SELECT name FROM sqlite_master").fetchall()
+    cli.ephemeral_server_ready()
+    cli.ephemeral_server_ready()  # nothing left to wait for
 
 
 def test_a_postgres_database_is_kept_for_an_ephemeral_run(tmp_path):

@@ -68,6 +68,22 @@ def test_a_remembered_pass_is_not_checked_again(checks) -> None:
     assert len(checks) == 5
 
 
+def test_a_check_that_waited_for_the_model_runs_right_after_the_bootstrap(checks, monkeypatch) -> None:
+    # a first run's pre-flight skips the seam checks (no tokenizer yet: the check returns None); the flow runs them
+    # once the bootstrap stage has put the model on the machine, before SFT, so its cached rerun's pre-flight finds
+    # their pass remembered instead of importing transformers for them (docs/benchmarks.md, the tiny chain)
+    assert pre.READ_THE_MODEL == (stage_spec.SEAMS,)  # the seam checks read the bootstrapped tokenizer
+    monkeypatch.setattr(pre, "READ_THE_MODEL", (TOKENIZER,))
+    cfg = load_config("tiny-cpu", ["run.seed=12"])
+    selection = select_stages(until="rl")
+    skipped = pre.Preflight(("data", "bootstrap", "sft", "rl"), {TOKENIZER: None, MEMORY: None})
+    done = pre.after_bootstrap(cfg, selection, skipped)
+    assert checks == [("tokenizer", frozenset({"data", "bootstrap", "sft", "rl"}))]   # not the memory check
+    assert done.result(TOKENIZER) == "tokenizer ok" and done.stages == skipped.stages
+    checks.clear()
+    assert pre.after_bootstrap(cfg, selection, done) is done and checks == []   # passed before: nothing again
+
+
 def test_a_bad_input_fails_before_any_check(checks, tmp_path) -> None:
     cfg = load_config("tiny-cpu", ["data.source=parquet", f"data.train_path={tmp_path / 'missing.parquet'}"])
     with pytest.raises(InputError, match="data.train_path"):

@@ -46,6 +46,22 @@ def context_of(cfg: RunConfig, run_name: str) -> TrackingContext:
                            wandb_mode=section.wandb_mode)
 
 
+def preload(section: Any) -> None:
+    """Import the tracker library the config's `tracking` section names, for a caller with time to spare before
+    the flow's first task opens it: `arpo run` while a temporary Prefect server boots on the other core
+    (flows/launch.py). mlflow's import is the one that costs (1.5 s of CPU on the 2-core box, its SQL store's
+    included); nothing is opened, and a failure is left for the tracker's open to report."""
+    if section.backend != "mlflow":
+        return
+    try:
+        import mlflow  # noqa: F401
+
+        if not section.tracking_uri or section.tracking_uri.startswith("sqlite"):  # the local store (the default)
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - the tracker's open reports it (one warning, or TrackerUnavailable)
+        log.debug("tracking: preloading mlflow: %s", err)
+
+
 def default_uri(backend: str, folder: str, output_root: str) -> str:
     """The local store under run.output_root: sqlite:///<abs>/mlflow/mlflow.db for MLflow, else a folder."""
     if not folder:
