@@ -257,6 +257,19 @@ def run_pool(args: argparse.Namespace, jobs: list[str], root: Path) -> dict:
     pending, running = list(jobs), {}
     loads: list[float] = []
     (root / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        _pool_loop(args, root, attempts, pending, running, loads)
+    except BaseException:  # interrupted: no worker outlives the pool (each resumes from its checkpoint next time)
+        for proc, *_ in running.values():
+            proc.terminate()
+        for proc, *_ in running.values():
+            proc.wait()
+        raise
+    return {"attempts": attempts, "mean_load": sum(loads) / len(loads) if loads else os.getloadavg()[0]}
+
+
+def _pool_loop(args: argparse.Namespace, root: Path, attempts: dict[str, list[dict]], pending: list[str],
+               running: dict, loads: list[float]) -> None:
     while pending or running:
         while pending and len(running) < args.jobs:
             job = pending.pop(0)
@@ -291,7 +304,6 @@ def run_pool(args: argparse.Namespace, jobs: list[str], root: Path) -> dict:
                 handle.write(json.dumps(record) + "\n")
             print(f"[{time.strftime('%H:%M:%S')}] {job}: exit {record['exit']}{' (timed out)' if timed_out else ''}"
                   f", {record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU", flush=True)
-    return {"attempts": attempts, "mean_load": sum(loads) / len(loads) if loads else os.getloadavg()[0]}
 
 
 def prepare_families(args: argparse.Namespace, root: Path, families: list[str], build: bool = True) -> dict[str, dict]:
@@ -320,6 +332,10 @@ def prepare_families(args: argparse.Namespace, root: Path, families: list[str], 
     return times
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -345,8 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     if official and todo and (pinned := pinned_commit(root, args, provenance[0])):
         raise SystemExit(f"error: this record's runs started on commit {pinned}, and every run of a design comes from "
                          f"one commit; resume from a worktree there: git worktree add ../bench-wt {pinned}")
-    sft_times = prepare_families(args, root, families, build=bool(todo))
-    pool = run_pool(args, todo, root) if todo else {"attempts": {}, "mean_load": os.getloadavg()[0]}
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a session's end: still record this invocation (below)
+    signal.signal(signal.SIGHUP, _interrupt)
+    try:
+        sft_times = prepare_families(args, root, families, build=bool(todo))
+        pool = run_pool(args, todo, root) if todo else {"attempts": {}, "mean_load": os.getloadavg()[0]}
+    except KeyboardInterrupt:  # its wall time and commit count toward the design (the pin, the bench's total)
+        record_invocation(root, args, time.time() - start, ran=bool(todo), commit=provenance[0], interrupted=True)
+        raise SystemExit("interrupted: finished runs are kept, a cut run resumes from its checkpoint; rerun the same "
+                         "command to continue") from None
     missing = [job for job in jobs + baselines if not out_path(args, job).is_file()]
     record_invocation(root, args, time.time() - start, ran=bool(todo), commit=provenance[0])
     for family in families:

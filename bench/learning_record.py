@@ -41,11 +41,14 @@ def pooled_sft(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                                          "ci_high": high}}
 
 
-def record_invocation(root: Path, args: argparse.Namespace, wall_s: float, ran: bool, commit: str | None) -> None:
-    """One line per invocation in <root>/invocations.jsonl: the bench's wall time adds up over resumed sessions."""
+def record_invocation(root: Path, args: argparse.Namespace, wall_s: float, ran: bool, commit: str | None,
+                      interrupted: bool = False) -> None:
+    """One line per invocation in <root>/invocations.jsonl: the bench's wall time adds up over resumed sessions (an
+    interrupted invocation's too: its runs count, and so does its commit for the pin)."""
+    line = {"record": record_name(args), "families": args.families, "wall_s": round(wall_s, 1), "ran_runs": ran,
+            "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with open(root / "invocations.jsonl", "a") as handle:
-        handle.write(json.dumps({"record": record_name(args), "families": args.families, "wall_s": round(wall_s, 1),
-                                 "ran_runs": ran, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+        handle.write(json.dumps({**line, "interrupted": True} if interrupted else line) + "\n")
 
 
 def invocations(root: Path, name: str) -> list[dict[str, Any]]:
