@@ -37,13 +37,13 @@ def tiny_tokenizer():
     return tok
 
 
-def tiny_model():
+def tiny_model(tie_word_embeddings: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=33, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, eos_token_id=5, bos_token_id=2, pad_token_id=0)
+                         tie_word_embeddings=tie_word_embeddings, eos_token_id=5, bos_token_id=2, pad_token_id=0)
     return LlamaForCausalLM(config)
 
 

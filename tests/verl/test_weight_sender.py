@@ -20,17 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.verl.fsdp_fixture import tiny_model
+
 pytestmark = pytest.mark.verl
-
-
-def tied_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=33, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, eos_token_id=5, bos_token_id=2, pad_token_id=0)
-    return LlamaForCausalLM(config)
 
 
 def _send(rank: int, out: str) -> None:
@@ -45,7 +37,7 @@ def _send(rank: int, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/.pg_init", rank=rank, world_size=1)
-    model = tied_model()
+    model = tiny_model(tie_word_embeddings=True)
     torch.save({name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)},
                f"{out}/trainer.pt")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
@@ -76,6 +68,6 @@ def test_verl_sends_a_tied_head_under_both_names_as_our_vllm_refresh_does(sent):
     verl, trainer = sent
     assert "lm_head.weight" in verl and "model.embed_tokens.weight" in verl
     assert torch.equal(verl["lm_head.weight"], verl["model.embed_tokens.weight"])
-    ours = dict(trainer_tensors(tied_model()))          # the local engine's refresh of the same model
+    ours = dict(trainer_tensors(tiny_model(tie_word_embeddings=True)))  # the local engine's refresh of the same model
     assert sorted(verl) == sorted(ours) == sorted(trainer)    # the same names
     assert all(torch.equal(verl[name], trainer[name]) for name in trainer)
