@@ -29,13 +29,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -199,42 +196,30 @@ def log(args: argparse.Namespace, folders: dict[str, Path]) -> None:
               f"(reward/mean {[round(r['reward/mean'], 3) for r in rows]})", flush=True)
 
 
-def free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
 def serve(uri: str, port: int, artifacts: Path) -> subprocess.Popen:
-    """`mlflow server` on 127.0.0.1:`port` against the store `uri`, once /health answers."""
-    if not free(port):
+    """`mlflow server` on 127.0.0.1:`port` against the store `uri` (the project's process manager: its own group,
+    output in <artifacts>/server.log), once /health answers."""
+    from stages.core import procs
+
+    if procs.healthy(f"http://127.0.0.1:{port}/health"):
         raise SystemExit(f"port {port} is taken: --port")
     mlflow = Path(sys.executable).with_name("mlflow")
     artifacts.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([str(mlflow), "server", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port",
-                             str(port), "--workers", "1", "--default-artifact-root", artifacts.as_uri()],
-                            cwd=artifacts, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    for _ in range(480):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"mlflow server exited ({proc.returncode})")
-        time.sleep(0.5)
-    stop(proc)
-    raise SystemExit("mlflow server did not answer /health in 240 s")
+    proc = procs.launch([str(mlflow), "server", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port",
+                         str(port), "--workers", "1", "--default-artifact-root", artifacts.as_uri()],
+                        artifacts / "server.log", supervised=False)
+    try:
+        procs.wait_ready(proc, artifacts / "server.log", 240, lambda: procs.healthy(f"http://127.0.0.1:{port}/health"),
+                         f"mlflow server on port {port}", on_fail=lambda: stop(proc))
+    except procs.NotReady as err:
+        raise SystemExit(str(err)) from None
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    from stages.core import procs
+
+    procs.kill_group(proc.pid, grace_s=20.0, proc=proc)
 
 
 def runs_of(uri: str, experiment_name: str) -> tuple[str, list[str], int]:
