@@ -182,8 +182,8 @@ def out_path(args: argparse.Namespace, job: str) -> Path:
 # ---- one run (a worker process) ------------------------------------------------------------------------------
 def worker(args: argparse.Namespace, job: str) -> None:
     """RL (cached once done), then the held-out evaluation and the results file. With vLLM the evaluation runs in
-    a child process: a second in-process vLLM engine fails to start once the search tool has imported numba
-    (vllm 0.32's kernel-override scan trips over llvmlite's wrappers), and a fresh process also frees RL's memory."""
+    a fresh process image: a second in-process vLLM engine fails to start once the search tool has imported numba
+    (vllm 0.32's kernel-override scan trips over llvmlite's wrappers), and the new image holds none of RL's memory."""
     import torch
 
     from stages.rl.stage import run_rl
@@ -205,9 +205,20 @@ def worker(args: argparse.Namespace, job: str) -> None:
         out_path(args, job).parent.mkdir(parents=True, exist_ok=True)
         out_path(args, job).with_suffix(".rl_s").write_text(str(time.perf_counter() - start))
     if args.backend == "vllm" and not args.eval_only:
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--eval-only"], check=True)
-        return
+        hand_over_to_evaluation()
     evaluate(args, job, cfg, data, sft)
+
+
+def hand_over_to_evaluation() -> None:
+    """Replace this process with its `--eval-only` self (os.execv: same pid, so the pool's wait4 still counts the
+    CPU of both halves and its terminate still reaches the evaluation). A child process would keep RL's 6-8 GB
+    resident beside the evaluation's ~3 GB for the whole evaluation; exec gives it back first."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:], "--eval-only"])
 
 
 def evaluate(args: argparse.Namespace, job: str, cfg, data, sft) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +38,18 @@ def test_sigterm_becomes_an_interrupt_the_bench_records() -> None:
 
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
         _interrupt(signal.SIGTERM, None)
+
+
+def test_the_worker_hands_its_process_to_the_evaluation() -> None:
+    """RL's worker execs into its `--eval-only` self: same pid (the pool's wait4 and terminate reach both halves),
+    its own arguments kept, and what it had printed flushed first. `--help` stands in for a job here."""
+    root = Path(__file__).resolve().parents[2]
+    script = ("import os, sys; sys.argv = ['bench_learning.py', '--help']; "
+              "from bench.bench_learning import hand_over_to_evaluation; "
+              "print('pid', os.getpid(), end=' '); hand_over_to_evaluation(); print('not reached')")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert out.startswith(f"pid {proc.pid} ")  # printed before the exec, by the pid that then ran --help
+    assert "usage:" in out and "not reached" not in out
