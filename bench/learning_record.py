@@ -98,8 +98,10 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
     tables.update(protocol_tables(per_question, design_for(args.split)))
     figures["bench_wall_min"] = bench_wall_min(root, name)
     families = sorted({k.split("_")[0] for k in figures if k.endswith("_sft")})
-    policies = "; ".join(f"`{f}`: SFT {{{f}_sft:.3f}} -> " + ", ".join(
-        f"{a.upper()} {{{f}_{a}:.3f}}" for a in args.algos.split(",") if f"{f}_{a}" in figures) for f in families)
+    trained = [a for a in args.algos.split(",") if a]  # none in an SFT-only record (`--algos ""`)
+    policies = "; ".join(f"`{f}`: SFT {{{f}_sft:.3f}}" + "".join(
+        f"{' -> ' if i == 0 else ', '}{a.upper()} {{{f}_{a}:.3f}}"
+        for i, a in enumerate(x for x in trained if f"{f}_{x}" in figures)) for f in families)
     split = "validation split (rl_valid)" if args.split == "rl_valid" else "held-out test split"
     variant = f" ({args.tag}: {' '.join(args.override)})" if args.tag else ""
     return {"name": name, "figures": figures,
