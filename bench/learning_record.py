@@ -25,7 +25,8 @@ def record_name(args: argparse.Namespace) -> str:
 
 
 def pooled_sft(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """SFT's per-seed evaluations as one policy for the descriptive tables: per question the mean over seeds."""
+    """SFT's per-seed evaluations as one policy for the descriptive tables: per question the mean over seeds, and
+    each seed's own (`correct_Q_by_seed`), which a run with that sampling seed is paired with."""
     from stages.core.passk import bootstrap_ci
 
     runs = sorted(runs, key=lambda r: r["seed"])
@@ -37,8 +38,8 @@ def pooled_sft(runs: list[dict[str, Any]]) -> dict[str, Any]:
     heldout = {key: float(np.mean([r["heldout"][key] for r in runs]))
                for key in ("accuracy", "format_valid", "tool_calls_per_traj", "mean_reward", "response_length")}
     return {**runs[0], "algorithm": "sft", "seed": None, "seeds": [r["seed"] for r in runs],
-            "correct_Q": correct_Q.tolist(), "heldout": {**runs[0]["heldout"], **heldout, "ci_low": low,
-                                                         "ci_high": high}}
+            "correct_Q": correct_Q.tolist(), "correct_Q_by_seed": {r["seed"]: r["correct_Q"] for r in runs},
+            "heldout": {**runs[0]["heldout"], **heldout, "ci_low": low, "ci_high": high}}
 
 
 def record_invocation(root: Path, args: argparse.Namespace, wall_s: float, ran: bool, commit: str | None,

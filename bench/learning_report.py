@@ -116,9 +116,10 @@ def alarm_counts(run: dict[str, Any]) -> dict[str, int]:
 
 def algorithm_summary(runs: list[dict[str, Any]], sft: dict[str, Any]) -> dict[str, Any]:
     """One algorithm's seeds -> held-out accuracy spread, paired gains, training statistics (means over seeds)."""
-    gains = [paired_gain(sft["correct_Q"], r["correct_Q"], seed=r["seed"] or 0) for r in runs]
-    # the mean gain over seeds: questions resampled (paired with SFT's) and seeds resampled, as between algorithms
-    mean_gain = two_level_diff(per_question(runs), np.asarray(sft["correct_Q"], dtype=float)[:, None])
+    gains = [paired_gain(sft_for(sft, r), r["correct_Q"], seed=r["seed"] or 0) for r in runs]
+    # the mean gain over seeds: each seed minus its own SFT evaluation, questions and seeds resampled
+    paired = per_question(runs) - np.array([sft_for(sft, r) for r in runs], dtype=float).T
+    mean_gain = two_level_diff(paired, np.zeros((paired.shape[0], 1)))
     out: dict[str, Any] = {"mean_gain": {"mean": mean_gain[0], "low": mean_gain[1], "high": mean_gain[2]},
         "seeds": [r["seed"] for r in runs], "accuracy": spread([r["heldout"]["accuracy"] for r in runs]),
         "accuracy_ci": [(r["heldout"]["ci_low"], r["heldout"]["ci_high"]) for r in runs],
@@ -138,6 +139,12 @@ def algorithm_summary(runs: list[dict[str, Any]], sft: dict[str, Any]) -> dict[s
                 "finish/length"):
         out[key] = spread([run_mean(r["steps"], key) for r in runs])
     return out
+
+
+def sft_for(sft: dict[str, Any], run: dict[str, Any]) -> list[float]:
+    """SFT's per-question accuracies to pair with `run`: SFT's evaluation with the run's own sampling seed (the
+    protocol's pairing: run s and SFT's evaluation s share their samples' seed), else SFT's mean over its seeds."""
+    return sft.get("correct_Q_by_seed", {}).get(run.get("eval_seed", run["seed"]), sft["correct_Q"])
 
 
 def per_question(runs: list[dict[str, Any]]) -> np.ndarray:

@@ -239,3 +239,17 @@ def test_failure_breakdown_names_the_first_cause_and_counts_cut_answers(tmp_path
     assert shares["answers"] == 3 and shares["format errors"] == pytest.approx(2 / 3)
     assert shares["no <answer>"] == shares["cut at cap"] == shares["cut (any)"] == pytest.approx(1 / 3)
     assert shares["0 calls"] == shares["2 calls"] == shares["3+ calls"] == pytest.approx(1 / 3)
+
+
+def test_a_run_is_paired_with_the_sft_evaluation_of_its_own_sampling_seed() -> None:
+    # SFT seed 0 gets 1 of 4 questions, seed 1 all 4 (mean over seeds 0.625); an lr = 0 control evaluated with
+    # seed 0 answers exactly as SFT's seed 0 did: paired with it the gain is exactly 0, where against SFT's mean over
+    # seeds it would read -0.375
+    seeds = {0: [0.0, 0.0, 0.0, 1.0], 1: [1.0, 1.0, 1.0, 1.0]}
+    sft = {**_run("sft", 0, [0.5, 0.5, 0.5, 1.0], 1.0), "correct_Q_by_seed": seeds}
+    control = {**_run("control", 0, seeds[0], 1.0), "eval_seed": 0}
+    summary = report.algorithm_summary([control], sft)
+    assert summary["gain"]["mean"] == 0.0 and summary["gain_ci"] == [(0.0, 0.0)]
+    assert summary["mean_gain"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
+    unpaired = report.algorithm_summary([control], {k: v for k, v in sft.items() if k != "correct_Q_by_seed"})
+    assert unpaired["gain"]["mean"] == pytest.approx(-0.375)
