@@ -110,10 +110,21 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
             "what": "does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, the protocol's "
                     "endpoints" + (f"; variant {args.tag}" if args.tag else ""),
             "details": "#learning-bench-protocol",
-            "conditions": {"families": families, "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
-                           "control_seeds": [s for s in args.control_seeds.split(",") if s], "split": args.split,
-                           "steps": args.steps, "questions": args.questions, "samples": args.samples,
-                           "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs,
-                           "tag": args.tag, "overrides": args.override,
-                           "per_question": f"bench/results/per-question/{name}.json"},
+            "conditions": merged_conditions(old.get("conditions", {}), list(results), {
+                "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
+                "control_seeds": [s for s in args.control_seeds.split(",") if s], "split": args.split,
+                "steps": args.steps, "questions": args.questions, "samples": args.samples,
+                "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs, "tag": args.tag,
+                "overrides": args.override}, f"bench/results/per-question/{name}.json"),
             "tables": tables}
+
+
+def merged_conditions(old: dict[str, Any], ran: list[str], this: dict[str, Any], per_question: str) -> dict[str, Any]:
+    """The record's conditions: per family those of the invocation that ran it (`by_family`), so a later run of
+    one family (the exploratory arm, say) keeps the other's seeds and settings; the top level is this
+    invocation's."""
+    by_family = {family: {k: v for k, v in old.items() if k not in ("families", "by_family", "per_question")}
+                 for family in old.get("families", [])}
+    by_family.update(old.get("by_family", {}))
+    by_family.update({family: this for family in ran})
+    return {"families": sorted(by_family), **this, "per_question": per_question, "by_family": by_family}

@@ -53,3 +53,16 @@ def test_the_worker_hands_its_process_to_the_evaluation() -> None:
     assert proc.returncode == 0
     assert out.startswith(f"pid {proc.pid} ")  # printed before the exec, by the pid that then ran --help
     assert "usage:" in out and "not reached" not in out
+
+
+def test_a_later_run_of_one_family_keeps_the_other_familys_conditions() -> None:
+    arith = {"seeds": ["0", "1", "2", "3", "4"], "overrides": []}
+    first = lr.merged_conditions({}, ["arith"], arith, "p.json")
+    assert first["families"] == ["arith"] and first["seeds"] == arith["seeds"] and first["by_family"] == {"arith": arith}
+    chain = {"seeds": ["0"], "overrides": ["rl.optim.lr=1e-5"]}
+    second = lr.merged_conditions(first, ["chain"], chain, "p.json")
+    assert second["families"] == ["arith", "chain"] and second["seeds"] == ["0"]  # the top level: this invocation
+    assert second["by_family"] == {"arith": arith, "chain": chain}
+    # a record written before `by_family` existed: its top level was its one invocation's, for all its families
+    legacy = {"families": ["arith"], "seeds": ["0", "1"], "per_question": "p.json"}
+    assert lr.merged_conditions(legacy, ["chain"], chain, "p.json")["by_family"]["arith"] == {"seeds": ["0", "1"]}
