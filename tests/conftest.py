@@ -14,6 +14,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores are shared by tests, 
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["tests.network_guard"]  # no test reads the network unless marked (docs/testing.md)
+
 SHARED_DATA = (PROJECT_ROOT.parent / "shared" / "data").resolve()
 TEST_OUTPUTS = PROJECT_ROOT / ".cache" / "test-outputs"
 VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"

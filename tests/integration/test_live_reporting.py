@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 
 import pytest
 from prefect import flow, task
@@ -56,12 +57,13 @@ def _read(task_run_id: str, want_events: int, prefix: str = "arpo.test") -> tupl
             logs = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
             artifacts = await client.read_artifacts(
                 artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
-            for _ in range(60):  # the server stores events in batches
+            deadline = time.monotonic() + 300  # the server stores events in batches: a ceiling, not the wait
+            while True:
                 response = await client._client.post("/events/filter", json={"filter": {
                     "event": {"prefix": [prefix]},
                     "related": {"resources_in_roles": [[f"prefect.task-run.{task_run_id}", "task-run"]]}}})
                 events = response.json()["events"]
-                if len(events) >= want_events:
+                if len(events) >= want_events or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(1)
             return logs, artifacts, events

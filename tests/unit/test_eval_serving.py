@@ -108,12 +108,12 @@ def test_stop_group_lets_the_command_stop_its_own_children(tmp_path: Path) -> No
     leader = (f"import signal, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
               "def on(sig, frame):\n"
               "    c.send_signal(signal.SIGUSR1); c.wait(); raise SystemExit(0)\n"
-              "signal.signal(signal.SIGTERM, on); time.sleep(300)")
+              f"signal.signal(signal.SIGTERM, on); open({str(heard)!r} + '.leader', 'w'); time.sleep(300)")
     proc = launch([sys.executable, "-c", leader], tmp_path / "x.log")
-    deadline = time.monotonic() + 30
-    while not Path(f"{heard}.ready").exists() and time.monotonic() < deadline:  # the child's handlers are set
+    deadline = time.monotonic() + 60
+    while not (Path(f"{heard}.ready").exists() and Path(f"{heard}.leader").exists()) \
+            and time.monotonic() < deadline:  # the child's handlers are set, and the leader's
         time.sleep(0.05)
-    time.sleep(0.2)  # and the leader's, set right after it started the child
     stop_group(proc.pid, grace_s=10, proc=proc)
     assert group_members(proc.pid) == []
     assert heard.read_text() == "SIGUSR1"                   # stopped by its parent, never by a group-wide SIGTERM

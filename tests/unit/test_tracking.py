@@ -61,7 +61,13 @@ def server_process(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     log.close()
-    time.sleep(0.5)  # the uvicorn worker shares the group: gone with it
+    deadline = time.monotonic() + 30  # the uvicorn worker shares the group: gone with it once it has exited
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
 
