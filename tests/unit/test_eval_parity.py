@@ -133,3 +133,13 @@ def test_a_released_checkpoint_without_known_numbers_says_so(tmp_path):
     section = parity_section(Path(report.meta["markdown"]).read_text())
     assert "No published number of aepo-qwen3-8b is known here" in section
     assert "aepo-qwen3-8b" not in set(load_reference_numbers()["setting"])
+
+
+def test_each_released_checkpoint_is_priced_as_its_base_model():
+    from stages.core.archs import ARCHS, arch_for
+
+    # by hand from the bases' config.json (docs/plan.md "Architectures"): Qwen3-8B 8.19B, Llama-3.1-8B 8.03B
+    assert round(ARCHS["qwen3-8b"].params / 1e9, 2) == 8.19 and round(ARCHS["llama3.1-8b"].params / 1e9, 2) == 8.03
+    assert arch_for("Qwen3-14B-ARPO-DeepSearch", "dongguanting/Qwen3-14B-ARPO-DeepSearch")[0] == "qwen3-14b"
+    assert arch_for(None, "dongguanting/Tool-Star-Qwen-0.5B")[0] == "qwen2.5-0.5b"
+    assert all(arch_for(name) is not None for name in RELEASED)
