@@ -13,6 +13,7 @@ sides").
                                                 # a temporary folder it deletes), checks its sha256 against the lock
                                                 # and writes the fixture
     python scripts/vllm_contract.py --site .venv-vllm/lib/python3.12/site-packages   # check an installed vLLM
+    .venv-verl/bin/python scripts/vllm_contract.py --installed                       # ... the one this python has
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Touch:
 
 
 ENGINE_ARGS = "vllm.engine.arg_utils:EngineArgs"
+# the server's own flags: 0.24 declares them in vllm/entrypoints/openai/cli_args.py, 0.32 in .../launchers/cli_args.py
+FRONTEND_ARGS = "vllm.entrypoints.openai.cli_args:FrontendArgs | vllm.entrypoints.launchers.cli_args:FrontendArgs"
 TOUCHED: tuple[Touch, ...] = (
     Touch("module", "vllm.entrypoints.openai.api_server", where="stages/eval/vllm_cmd.py API_SERVER"),
     # the server's flags are EngineArgs / FrontendArgs fields (vLLM builds its argparser from them, '_' -> '-')
@@ -58,7 +61,7 @@ TOUCHED: tuple[Touch, ...] = (
                                    # vllm.LLM(**kwargs) forwards them to EngineArgs (stages/generation/vllm_backend.py)
                                    "enable_chunked_prefill", "enable_prefix_caching", "seed", "logprobs_mode",
                                    "max_logprobs"), "stages/eval/vllm_cmd.py, stages/generation/vllm_backend.py"),
-    Touch("members", "vllm.entrypoints.openai.cli_args:FrontendArgs", ("host", "port"), "stages/eval/vllm_cmd.py"),
+    Touch("members", FRONTEND_ARGS, ("host", "port"), "stages/eval/vllm_cmd.py"),
     Touch("keys", "vllm.envs:environment_variables",
           ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT",
            "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"),
@@ -205,6 +208,16 @@ def lazy_target(value: ast.AST | None, name: str) -> tuple[str, str] | None:
 
 
 def lookup(src: Source, target: str) -> tuple[str, ast.AST] | None:
+    """The first of a target's " | "-separated places that this vLLM has (an object our code reaches by name, not
+    by import, may move between releases: the server's flags are FrontendArgs fields wherever it lives)."""
+    for place in target.split(" | "):
+        found = _lookup_one(src, place.strip())
+        if found is not None:
+            return found
+    return None
+
+
+def _lookup_one(src: Source, target: str) -> tuple[str, ast.AST] | None:
     module, _, qual = target.partition(":")
     if not qual:
         return _submodule(src, module)
@@ -355,7 +368,17 @@ def main() -> int:
     parser.add_argument("--write", action="store_true", help="download the locked wheel and write the fixture")
     parser.add_argument("--wheel", type=Path, help="with --write: an already downloaded wheel (its sha256 is checked)")
     parser.add_argument("--site", type=Path, help="check the vLLM installed in this site-packages folder")
+    parser.add_argument("--installed", action="store_true",
+                        help="check the vLLM this python would import (found, not imported: no GPU needed)")
     args = parser.parse_args()
+    if args.installed:
+        import importlib.util
+
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            print(f"{sys.executable} has no vllm package: ./scripts/setup-gpu.sh builds .venv-verl")
+            return 1
+        args.site = Path(next(iter(spec.submodule_search_locations))).parent
     if args.write:
         out = write_fixture(args.wheel)
         record = json.loads(out.read_text())
