@@ -116,13 +116,17 @@ def test_every_setting_that_differs_from_the_paper_is_named(tiny_parity_report):
                    for f in gaia1)
 
 
-def test_the_report_and_the_run_print_the_parity_section(tiny_parity_report):
+def test_the_report_and_the_run_print_the_parity_section(tiny_parity_report, capsys):
+    from flows.cli import print_parity
+
     _, report = tiny_parity_report
     markdown = Path(report.meta["markdown"]).read_text()
     section = parity_section(markdown)
     assert section.startswith("## Paper parity: arpo-qwen3-14b (ARPO Qwen3-14B)")
     assert "Released checkpoint: `dongguanting/Qwen3-14B-ARPO-DeepSearch`" in section
     assert "| gaia " in section and "gap ci" in section and "## Provenance" not in section
+    print_parity(Path(report.meta["markdown"]))  # what `arpo run` prints after the report's path
+    assert capsys.readouterr().out == "\n" + section + "\n"
 
 
 def test_a_released_checkpoint_without_known_numbers_says_so(tmp_path):
