@@ -12,6 +12,7 @@ import atexit
 import gc
 import os
 import sys
+from pathlib import Path
 
 from flows import extra_commands, rehearse_commands
 from flows.automations import CRASH_AFTER_S
@@ -178,7 +179,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = summary["refs"].get("report")
     if report:
         print(f"report:     {report['path']}")
+        print_parity(Path(report["path"]) / "report.md")
     return 0
+
+
+def print_parity(markdown: Path) -> None:
+    """A parity profile's table (the report's "Paper parity" section, stages/eval/parity.py), on the terminal."""
+    from stages.eval.parity import parity_section
+
+    section = parity_section(markdown.read_text(encoding="utf-8")) if markdown.is_file() else ""
+    if section:
+        print("\n" + section)
 
 
 if __name__ == "__main__":

@@ -63,19 +63,36 @@ ARCHS: dict[str, Arch] = {
                        qkv_bias=True, model_type="qwen2", max_positions=32768),
     "qwen2.5-7b": Arch(hidden=3584, layers=28, intermediate=18944, heads=28, kv_heads=4, vocab=152064,
                        qkv_bias=True, model_type="qwen2", max_positions=32768),
+    "qwen3-8b": Arch(hidden=4096, layers=36, intermediate=12288, heads=32, kv_heads=8, vocab=151936, head_dim=128,
+                     qk_norm=True, model_type="qwen3", max_positions=40960),
     "qwen3-14b": Arch(hidden=5120, layers=40, intermediate=17408, heads=40, kv_heads=8, vocab=151936, head_dim=128,
                       qk_norm=True, model_type="qwen3", max_positions=40960),
+    "llama3.1-8b": Arch(hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8, vocab=128256,
+                        model_type="llama", max_positions=131072),
     "smollm2-135m": Arch(hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, vocab=49152, tied=True,
                          model_type="llama", max_positions=8192),
 }
 
 
+# the released ARPO / AEPO / Tool-Star checkpoints (docs/reference.md "Published numbers": their hub ids) are
+# fine-tunes that keep their base model's config.json: their name -> the base's entry above
+RELEASED: dict[str, str] = {
+    "qwen3-14b-arpo-deepsearch": "qwen3-14b", "qwen3-14b-aepo-deepsearch": "qwen3-14b",
+    "qwen3-8b-arpo-deepsearch": "qwen3-8b", "qwen3-8b-aepo-deepsearch": "qwen3-8b",
+    "qwen2.5-7b-arpo": "qwen2.5-7b", "qwen2.5-7b-aepo": "qwen2.5-7b", "qwen2.5-3b-arpo": "qwen2.5-3b",
+    "llama3.1-8b-arpo": "llama3.1-8b", "tool-star-qwen-0.5b": "qwen2.5-0.5b", "tool-star-qwen-1.5b": "qwen2.5-1.5b",
+    "tool-star-qwen-3b": "qwen2.5-3b", "tool-star-qwen-7b": "qwen2.5-7b",
+}
+
+
 def arch_for(*names: str | None) -> tuple[str, Arch] | None:
-    """The table's entry for a model name or hub path ('Qwen/Qwen3-14B', 'Qwen2.5-7B-Instruct'); None if absent."""
+    """The table's entry for a model name or hub path ('Qwen/Qwen3-14B', 'Qwen2.5-7B-Instruct', a released
+    checkpoint such as 'dongguanting/Qwen3-14B-ARPO-DeepSearch'); None if absent."""
     for name in names:
         if not name:
             continue
         key = name.rstrip("/").split("/")[-1].lower().removesuffix("-instruct")
+        key = RELEASED.get(key, key)
         if key in ARCHS:
             return key, ARCHS[key]
     return None

@@ -13,7 +13,9 @@ language; stages/eval/search_mode.py), beside the published numbers. A published
 server, sandbox): they are left out of the metrics with the rest of their question's samples, listed under their
 own heading, and retried by the next run. At the top, the provenance block says what produced the numbers (policy,
 commits, judge as served, search, sampling, seeds, dates), read from the stages' records; `provenance.csv` holds
-it per benchmark (stages/eval/report_provenance.py)."""
+it per benchmark (stages/eval/report_provenance.py). With `eval.reference_setting`, the parity section (and
+`parity.csv`) puts ours beside each published number of that setting with the gap, its interval and every setting
+that differs from the paper's evaluation (stages/eval/parity.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from stages.core.fingerprint import hash_path, hash_value
 from stages.core.provenance import git_state, utc_now
 from stages.core.refs import Ref, ScoresRef
 from stages.core.workspace import stage_dir
+from stages.eval.parity import parity_rows, render_parity
 from stages.eval.report_provenance import PROVENANCE_CSV, provenance_rows, render_provenance
 
 if TYPE_CHECKING:  # pandas is imported where a table is built: computing the key (a cached run) needs none
@@ -36,6 +39,7 @@ if TYPE_CHECKING:  # pandas is imported where a table is built: computing the ke
 
 STAGE = "report"
 REFERENCE_FILE = Path(__file__).with_name("reference_numbers.yaml")
+PARITY_CSV = "parity.csv"
 _HEADLINE = ("benchmark", "search", "questions", "samples", "metric", "accuracy", "accuracy ci", "paper accuracy",
              "pass@k verdict", "llm_equal", "judge_rule_agreement", "em", "f1", "paper (other metric)", "published",
              "tool_calls", "tool_productivity", "debug_uses", "rollback_uses", "refine_uses", "provider failures")
@@ -57,17 +61,24 @@ def load_reference_numbers(path: str | Path = REFERENCE_FILE) -> pd.DataFrame:
             raise ValueError(f"{path} numbers[{number}]: setting {entry['setting']!r} is not declared under "
                              f"`settings:` (known: {sorted(settings)})")
         rows.append({**entry, **settings[entry["setting"]]})
-    return pd.DataFrame(rows, columns=["setting", "model", "method", "base_model", "benchmark", "metric", "measure",
-                                       "value", "source"])
+    return pd.DataFrame(rows, columns=["setting", "model", "method", "base_model", "checkpoints", "benchmark", "metric",
+                                       "measure", "value", "source"])
 
 
-def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame,
-                reference_setting: str | None) -> list[dict[str, Any]]:
+def load_reference_settings(path: str | Path = REFERENCE_FILE) -> dict[str, dict[str, Any]]:
+    """The declared settings: model, method, `base_model`, the released `checkpoints` and the paper's `eval`."""
+    return dict(yaml.safe_load(Path(path).read_text(encoding="utf-8")).get("settings") or {})
+
+
+def report_rows(summaries: list[dict[str, Any]], reference: pd.DataFrame, reference_setting: str | None,
+                declared: set[str] | None = None) -> list[dict[str, Any]]:
     """One flat row per benchmark summary (see scoring.summarize_benchmark), rates in percent, published numbers
-    beside the column that measures the same thing."""
-    if reference_setting is not None and reference_setting not in set(reference["setting"]):
+    beside the column that measures the same thing. `declared`: the settings that may be named (default: those
+    with numbers; a released checkpoint whose numbers are not known here is declared without any)."""
+    known = set(reference["setting"]) | (declared or set())
+    if reference_setting is not None and reference_setting not in known:
         raise ValueError(f"eval.reference_setting={reference_setting!r} has no published numbers; choose one of "
-                         f"{sorted(set(reference['setting']))} or null")
+                         f"{sorted(known)} or null")
     ks = sorted({int(name.split("@")[1]) for s in summaries for name in s["metrics"] if name.startswith("pass@")})
     rows = []
     for summary in summaries:
@@ -128,7 +139,10 @@ def _published(reference: pd.DataFrame, summary: dict[str, Any], setting: str | 
     other = []
     mine_only = entries[entries["setting"] == setting]
     base = next((b for b in mine_only["base_model"] if isinstance(b, str) and b), None)
-    if base is not None and base.lower() not in str(summary.get("model", "")).lower():
+    released = next((c for c in mine_only["checkpoints"] if isinstance(c, list)), [])
+    served = str(summary.get("model", "")).lower()
+    if base is not None and base.lower() not in served and not any(c.split("/")[-1].lower() in served
+                                                                   for c in released):
         # numbers of another model size: not comparable (the README's other sizes are an image)
         return {}, {"paper (other metric)": f"{setting}'s numbers are {base}'s; this run served {summary.get('model')}"
                     " (no published number for it here)" if len(mine_only) else None}
@@ -148,7 +162,7 @@ def render_markdown(table: pd.DataFrame, reference: pd.DataFrame, confidence: fl
     keep = [c for c in table.columns if c in _HEADLINE or c.startswith(("pass@", "paper "))]
     shown = table[keep].round(2).astype(object).where(table[keep].notna(), None)  # missing -> "-"
     benchmarks = set(table["benchmark"])
-    cited = reference[reference["benchmark"].isin(benchmarks)].drop(columns="base_model")
+    cited = reference[reference["benchmark"].isin(benchmarks)].drop(columns=["base_model", "checkpoints"])
     legend = (f"Rates in percent. `accuracy` = each benchmark's headline metric as the papers report it (`metric`: "
               f"F1 for HotpotQA, 2Wiki, MuSiQue, Bamboogle; llm_equal, the judge, for the others; without a judge "
               f"math_equal / F1 stand in and the column says so). pass@k counts the `pass@k verdict` with the "
@@ -229,8 +243,8 @@ def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | P
     if not scores:
         raise ValueError("build_report needs at least one ScoresRef; score a benchmark first")
     out = stage_dir(output_root, STAGE, report_key(cfg, scores, gains), force=force)
-    reference = load_reference_numbers()
-    rows = report_rows([s.meta for s in scores], reference, cfg.reference_setting)
+    reference, settings = load_reference_numbers(), load_reference_settings()
+    rows = report_rows([s.meta for s in scores], reference, cfg.reference_setting, set(settings))
     if not out.complete:
         import pandas as pd
 
@@ -240,10 +254,18 @@ def build_report(cfg: EvalSection, scores: list[ScoresRef], output_root: str | P
                                      cfg.bootstrap_seed)
         write_text(out.path / PROVENANCE_CSV, pd.DataFrame(provenance).to_csv(index=False))
         markdown = render_markdown(table, reference, cfg.confidence, render_provenance(provenance))
-        write_text(out.path / "report.md", "\n".join([markdown, *render_infra([s.meta for s in scores]),
+        parity = []
+        if cfg.reference_setting is not None:  # the checkpoint against its paper (stages/eval/parity.py)
+            paper = settings[cfg.reference_setting]
+            parity_table = parity_rows([s.meta for s in scores], reference, cfg.reference_setting, paper, provenance,
+                                       cfg.max_questions)
+            write_text(out.path / PARITY_CSV, pd.DataFrame(parity_table).to_csv(index=False))
+            parity = render_parity(parity_table, cfg.reference_setting, paper, cfg.confidence)
+        write_text(out.path / "report.md", "\n".join([markdown, *parity, *render_infra([s.meta for s in scores]),
                                                       *render_gains(gains or {}, cfg.confidence)]))
         out.finish()
     return Ref(path=str(out.path), fingerprint=out.fingerprint,
                meta={"csv": str(out.path / "report.csv"), "markdown": str(out.path / "report.md"),
                      "provenance": str(out.path / PROVENANCE_CSV), "rows": rows,
-                     "stage_gains": stage_gain_rows(gains or {})})
+                     "stage_gains": stage_gain_rows(gains or {}),
+                     "parity": str(out.path / PARITY_CSV) if cfg.reference_setting is not None else None})
