@@ -4,7 +4,8 @@ Each check reads `history` (every metrics row so far, oldest first; the last is 
 thresholds in `rl.alarms` (AlarmSection), and returns an `Alarm` for that step or None:
 
 - tool_collapse: tool calls per trajectory fell below `tool_drop_ratio` x their best earlier value (once that
-  was at least `tool_min_peak`): the policy stopped using its tools.
+  was at least `tool_min_peak`): the policy stopped using its tools; or, at the first step, no tool call at all
+  although the prompt offers tools (`tools/offered`): the policy never used them.
 - entropy_collapse: mean token entropy below `entropy_drop_ratio` x the first step's, or below `entropy_floor`.
 - format_errors_rising: the format-error rate averaged over the last `window` steps is `format_error_rise`
   above the lowest average over any earlier `window` steps.
@@ -70,6 +71,10 @@ def _mean(values: list[float]) -> float:
 
 def tool_collapse(history: list[Row], rules: AlarmSection) -> str | None:
     calls = _values(history, "tools/calls_per_traj")
+    offered = history[-1].get("tools/offered")
+    if len(calls) == 1 and calls[0] == 0 and offered:   # step 1 of a tools profile: nothing to fall from
+        return (f"no tool call at step 1 although the prompt offers {offered:.0f} tool(s): the policy does not use "
+                "its tools (check the prompt template, the SFT stage and the stop tags)")
     if len(calls) < 2:
         return None
     peak, now = max(calls[:-1]), calls[-1]
