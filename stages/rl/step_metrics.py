@@ -74,7 +74,7 @@ def rollout_metrics(batch: RolloutBatch, rewards: list[Reward]) -> dict[str, flo
 def step_time_split(metrics: dict[str, Any]) -> dict[str, float]:
     """Where a rollout's time went (stages.generation.tool_rollout): generate, tools, the tools' queueing (per
     round the longest wait of a call for a pool thread or a rate-limit slot, summed) and tool calls per round;
-    `tools/offered`: the tools the prompt offers (the tool_collapse alarm's step-1 check)."""
+    `tools/offered`: the tools the prompt offers (the tool_unused alarm at the first step)."""
     names = {"time_generate_s": "timing/generate_s", "time_tools_s": "timing/tools_s",
              "time_tool_queue_s": "timing/tool_queue_s", "tool_calls_per_round": "tools/calls_per_round",
              "tools_offered": "tools/offered"}

@@ -148,7 +148,7 @@ class OptimSection(Section):
                                        "gradient's first and second moment estimates")
 
 
-AlarmName = Literal["tool_collapse", "entropy_collapse", "format_errors_rising", "reward_at_floor",
+AlarmName = Literal["tool_collapse", "tool_unused", "entropy_collapse", "format_errors_rising", "reward_at_floor",
                    "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures", "trees_dropped",
                    "sampler_drift"]
 
