@@ -189,7 +189,14 @@ update_actor()
 """
 
 
-def test_a_stalled_run_stops_with_the_stuck_part_and_its_stacks(tmp_path):
+@pytest.mark.parametrize("spy", [True, False], ids=["py-spy", "faulthandler"])
+def test_a_stalled_run_stops_with_the_stuck_part_and_its_stacks(tmp_path, monkeypatch, spy):
+    from stages.rl.verl import watchdog
+
+    if not spy:   # verl's environment without py-spy: the SIGUSR2 faulthandler dump our plugin registers
+        monkeypatch.setattr(watchdog, "py_spy", lambda: None)
+    elif watchdog.py_spy() is None:
+        pytest.skip("py-spy is not installed in this environment (the faulthandler case covers the fallback)")
     stage = tmp_path / "rl"
     (stage / "checkpoints").mkdir(parents=True)
     (stage / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")
@@ -207,6 +214,8 @@ def test_a_stalled_run_stops_with_the_stuck_part_and_its_stacks(tmp_path):
     assert "resumes from the newest checkpoint" in message
     dumps = list((stage / "stacks").glob("*/*.txt"))
     assert dumps and any("update_actor" in d.read_text() for d in dumps)
+    # py-spy where the kernel lets it attach (ptrace policy), else the faulthandler dumps
+    assert all(d.name.startswith(("py-spy-", "faulthandler-") if spy else "faulthandler-") for d in dumps)
     assert latest_step(stage / "checkpoints") == 1   # the run's checkpoints are untouched: a re-run resumes
     assert seen, "the driver never started"
     deadline = time.monotonic() + 60

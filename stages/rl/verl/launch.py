@@ -149,6 +149,8 @@ def prepare(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
     handoff = tracking.current().handoff(nested="verl")  # verl's own logger: a run nested in the stage's
     overrides = verl_overrides(cfg, dtype, seed, paths, model_type_of(model_dir), handoff)
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={attempt}")
+    # every Ray process of the run registers its faulthandler stack dump there (stages/rl/verl/watchdog.py)
+    overrides.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{STACK_DIR_ENV}={stage / 'stacks'}")
     write_text(inputs / "overrides.txt", "\n".join(overrides) + "\n")
     return overrides, paths, rows
 
