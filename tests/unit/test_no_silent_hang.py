@@ -82,6 +82,19 @@ def test_a_tool_that_never_returns_is_an_infra_failure_and_the_pool_recovers(tmp
     box.close()   # returns although two abandoned threads still hang
 
 
+def test_an_event_loop_caller_gets_the_same_limit(tmp_path):
+    # evaluation's text loop awaits aexecute: one hung call and one quick one on a pool of one thread
+    box = _box(tmp_path, concurrency=1, tool_timeout_s=0.3)
+
+    async def both():
+        return await asyncio.gather(box.aexecute(ToolCall("search", "hang"), box.new_state()),
+                                    box.aexecute(ToolCall("search", "after"), box.new_state()))
+
+    hung, done = asyncio.run(both())
+    assert hung.infra and hung.meta["timeout"] and done.ok and done.text == "R:after"
+    box.close()
+
+
 def test_a_hung_tool_masks_its_trajectory_in_the_tree_loop(tmp_path):
     box = _box(tmp_path, concurrency=2, tool_timeout_s=0.3)
     tok = ToyTokenizer()
