@@ -134,7 +134,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         from stages.core.recipes import recipe_for, recipe_markdown
         from stages.rl.card import algorithm_card, card_markdown
 
-        print(card_markdown(algorithm_card(cfg.rl)))
+        print(card_markdown(algorithm_card(cfg.rl, cfg.agent)))
         recipe = recipe_for(cfg.rl.reference_setting)   # the rest of a published recipe (SFT, DPO, evaluation)
         if recipe is not None:
             print(recipe_markdown(cfg, recipe))

@@ -30,7 +30,7 @@ def _card(cfg: RunConfig) -> str | None:
         return None
     from stages.rl.card import algorithm_card, card_markdown
 
-    return card_markdown(algorithm_card(cfg.rl))
+    return card_markdown(algorithm_card(cfg.rl, cfg.agent))
 
 
 @task(name="run-summary", cache_policy=NO_CACHE)

@@ -15,6 +15,11 @@ themselves come from the tool registry (stages/agent/tools.py): the ToolBox know
 malformed calls) or `infra` (the provider, server or sandbox failed; an unexpected exception inside a tool too:
 a bug of ours is not the policy's fault). `metrics()` counts the infra ones as `infra_failures`.
 
+Calls run on the process's tool pool (stages/agent/tool_pool.py: `agent.concurrency` threads; on verl one pool per
+agent-loop worker serves all of its trees). A call still running `agent.tool_timeout_s` after it started is an
+infrastructure failure (`meta["timeout"]`), so a tool that never returns cannot hold a rollout. `result.queued_s`
+is the call's queueing: its wait for a pool thread plus its waits for rate-limit slots (stages/core/ratelimit.py).
+
 Whatever text the model wrote, `execute` returns a ToolResult and never raises: lone surrogates (which JSON
 decoders produce from `"\\ud800"`) become U+FFFD before any tool sees the argument, and an unexpected failure of
 a tool comes back as a tool error (logged with its traceback, counted as `internal_errors`). Whatever a tool
@@ -25,13 +30,11 @@ whose client encodes it as UTF-8 JSON.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self
@@ -39,9 +42,11 @@ from typing import Any, Self
 from stages.agent.cache import ToolCache
 from stages.agent.prompt_templates import template_tools
 from stages.agent.protocol import LIMIT_MESSAGES, REPEAT_MESSAGE, ToolCall
+from stages.agent.tool_pool import ToolPool
 from stages.agent.tools import INFRA, MISS_MESSAGE, MODEL, TOOLS, CallState, Fault, Tool, ToolEnv, tool_names
 from stages.core.config.agent import AgentSection
 from stages.core.log import get_logger
+from stages.core.ratelimit import thread_wait_s
 from stages.core.refs import DatasetRef
 
 log = get_logger(__name__)
@@ -81,6 +86,7 @@ class ToolResult:
     cached: bool
     meta: dict = field(default_factory=dict)
     fault: Fault | None = None  # None on success; model | infra on a failure (stages/agent/tools.py)
+    queued_s: float = 0.0       # waited for a pool thread and for rate-limit slots
 
     @property
     def infra(self) -> bool:
@@ -96,7 +102,7 @@ class ToolBox:
         self._versions = {name: tool.version() for name, tool in self._tools.items()}
         self._lock = threading.Lock()
         self._stats: dict[str, float] = defaultdict(float)
-        self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="toolbox")
+        self._pool = ToolPool(cfg.concurrency, cfg.tool_timeout_s)
 
     @classmethod
     def from_config(cls, cfg: AgentSection, corpus_path: str | None, cache_root: str,
@@ -162,8 +168,10 @@ class ToolBox:
         return f"The {tool} tool is not available in this task."
 
     # ---- running -----------------------------------------------------------------------------------------
-    def execute(self, call: ToolCall, state: CallState) -> ToolResult:
-        start = time.monotonic()
+    def execute(self, call: ToolCall, state: CallState, queued_s: float = 0.0) -> ToolResult:
+        """Run (or refuse) one call; `queued_s`: its wait for a pool thread so far (the rate-limit waits are
+        added here)."""
+        start, waited = time.monotonic(), thread_wait_s()
         call = ToolCall(call.tool, valid_text(call.argument))
         with self._lock:
             reason, argument = self._admit(call, state)
@@ -178,7 +186,17 @@ class ToolBox:
                 result = ToolResult(call.tool, TOOL_FAILED.format(tool=call.tool, error=type(err).__name__), False,
                                     time.monotonic() - start, False, {"error": repr(err), "internal_error": True},
                                     INFRA)
-        result = replace(result, text=valid_text(result.text), meta=valid_value(result.meta))  # the boundary
+        result = replace(result, text=valid_text(result.text), meta=valid_value(result.meta),  # the boundary
+                         queued_s=queued_s + thread_wait_s() - waited)
+        self._record(result)
+        return result
+
+    def _timed_out(self, item: tuple[ToolCall, CallState], running_s: float) -> ToolResult:
+        """The result of a call that overran agent.tool_timeout_s: an infrastructure failure."""
+        call = item[0]
+        result = ToolResult(call.tool, TOOL_FAILED.format(tool=call.tool, error="TimeoutError"), False, running_s,
+                            False, {"error": f"no result within agent.tool_timeout_s={self.cfg.tool_timeout_s:g} s",
+                                    "timeout": True}, INFRA)
         self._record(result)
         return result
 
@@ -196,11 +214,14 @@ class ToolBox:
         return ToolResult(name, out.text, out.ok, time.monotonic() - start, False, out.meta, out.fault)
 
     def execute_many(self, items: list[tuple[ToolCall, CallState]]) -> list[ToolResult]:
-        """Run calls concurrently (`agent.concurrency` at once); results in the order of `items`."""
-        return list(self._pool.map(lambda item: self.execute(*item), items))
+        """Run calls concurrently (`agent.concurrency` at once, each within agent.tool_timeout_s); results in the
+        order of `items`."""
+        return self._pool.map(lambda item, queued: self.execute(*item, queued_s=queued), items, self._timed_out)
 
     async def aexecute(self, call: ToolCall, state: CallState) -> ToolResult:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.execute, call, state)
+        """`execute` on the pool for an event loop (evaluation), within agent.tool_timeout_s of its start."""
+        return await self._pool.arun(lambda queued: self.execute(call, state, queued_s=queued),
+                                     lambda running: self._timed_out((call, state), running))
 
     # ---- metrics and lifetime ------------------------------------------------------------------------------
     def _record(self, result: ToolResult) -> None:
@@ -219,6 +240,8 @@ class ToolBox:
             stats["search_misses"] += bool(result.meta.get("miss"))
             stats["internal_errors"] += bool(result.meta.get("internal_error"))
             stats["infra_failures"] += result.infra
+            if result.meta.get("timeout"):
+                stats["timeouts"] += 1
             stats[f"{tool}_infra_failures"] += result.infra
 
     def metrics(self) -> dict[str, float]:
@@ -236,7 +259,7 @@ class ToolBox:
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.close()
         for part in (*self._tools.values(), self.cache):
             if part is not None:
                 part.close()

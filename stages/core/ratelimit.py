@@ -12,6 +12,9 @@ thread lock per file, shared by every limiter of the process on that file (two l
 would otherwise both hold the POSIX lock at once). The clock is wall time (`time.time()`), which every process of a
 host shares. A stored slot more than `STALE_AFTER_S` ahead (a clock set back, a damaged file) is ignored rather than
 waited for.
+
+Every wait for a slot (`sleep_for_slot`, which `acquire` and the page fetcher use) is added to a per-thread total,
+`thread_wait_s()`: the ToolBox reads it before and after a call to report the call's rate-limit queueing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,20 @@ from pathlib import Path
 STALE_AFTER_S = 3600.0
 _FILE_LOCKS: dict[str, threading.Lock] = {}
 _FILE_LOCKS_GUARD = threading.Lock()
+_WAITED = threading.local()
+
+
+def thread_wait_s() -> float:
+    """Seconds this thread has slept for rate-limit slots so far (any limiter)."""
+    return getattr(_WAITED, "total", 0.0)
+
+
+def sleep_for_slot(wait: float) -> float:
+    """Sleep `wait` seconds (if positive) for a rate-limit slot, counted in this thread's total; returns it."""
+    if wait > 0:
+        _WAITED.total = thread_wait_s() + wait
+        time.sleep(wait)
+    return max(0.0, wait)
 
 
 def _file_lock(path: Path) -> threading.Lock:
@@ -64,7 +81,4 @@ class SharedRateLimiter:
 
     def acquire(self) -> float:
         """Block until the next slot; return the seconds waited."""
-        wait = self.reserve() - time.time()
-        if wait > 0:
-            time.sleep(wait)
-        return max(0.0, wait)
+        return sleep_for_slot(self.reserve() - time.time())

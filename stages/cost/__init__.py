@@ -52,7 +52,8 @@ def render_markdown(est: Estimate) -> str:
              for line in est.lines]
     title = (f"## Plan: profile {est.profile}, {est.steps if est.steps is not None else '?'} RL steps "
              f"over {est.train_rows if est.train_rows is not None else '?'} prompts")
-    out = [title, "", *rows, "", "Assumptions:", *[f"- {a}" for a in est.assumptions], ""]
+    out = [title, "", *rows, "", *([est.verdict, ""] if est.verdict else []), "Assumptions:",
+           *[f"- {a}" for a in est.assumptions], ""]
     return "\n".join(out + (render_memory(est.memory) if est.memory else []))
 
 

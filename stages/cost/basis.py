@@ -26,6 +26,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "search_calls": ("rollout/search_calls_executed",),
     "python_calls": ("rollout/python_calls_executed",),
     "step_s": ("timing/step_s", "timing_s/step"),
+    "generate_s": ("timing/generate_s",),        # the rollout's split (stages/rl/step_metrics.py)
+    "tools_s": ("timing/tools_s",),
+    "tool_queue_s": ("timing/tool_queue_s",),
+    "calls_per_round": ("tools/calls_per_round",),
 }
 
 

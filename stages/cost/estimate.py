@@ -17,6 +17,7 @@ from stages.core.engine_spec import ENGINES
 from stages.cost.basis import Measured
 from stages.cost.line import Line
 from stages.cost.summarizer import eval_summarizer_lines, summarizer_assumption, summarizer_lines
+from stages.cost.tool_time import tool_time_lines
 
 ATTEMPTS = {"server": 3, "web": None}  # requests per failing search call (web: agent.search.web.retries)
 
@@ -30,6 +31,7 @@ class Estimate:
     lines: list[Line] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
     memory: Any = None          # stages.cost.memory.MemoryEstimate (verl engine), set by plan_run
+    verdict: str = ""           # tool-bound or not (stages/cost/tool_time.py)
 
     def line(self, what: str) -> Line:
         return next(line for line in self.lines if line.what == what)
@@ -37,7 +39,8 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {"profile": self.profile, "steps": self.steps, "train_rows": self.train_rows,
                 "measured": self.measured, "lines": [vars(line) for line in self.lines],
-                "assumptions": self.assumptions, "memory": self.memory.to_json() if self.memory else None}
+                "assumptions": self.assumptions, "memory": self.memory.to_json() if self.memory else None,
+                "verdict": self.verdict}
 
 
 def run_steps(cfg: RunConfig, train_rows: int | None) -> int | None:
@@ -84,6 +87,9 @@ def estimate(cfg: RunConfig, train_rows: int | None, measured: Measured | None =
     for tool, cap in (("search", limits.max_search), ("python", limits.max_python)):
         bound = (trajs + probes) * min(calls_per_traj, cap if cap is not None else calls_per_traj)
         out.lines.append(_line(f"{tool} calls", bound, steps, mean(f"{tool}_calls"), tol))
+    time_lines, out.verdict = tool_time_lines(cfg, steps, out.line("tool calls"), out.line("search calls"),
+                                              measured, tol)
+    out.lines += time_lines
     out.lines += _search_bill(cfg, out.line("search calls"))
     out.lines += summarizer_lines(cfg, out.line("search calls"))
     out.lines += _device_hours(cfg, steps, mean("step_s"), tol)

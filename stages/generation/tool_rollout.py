@@ -18,8 +18,13 @@ independent roots (GRPO sampling: what SFT's self-critic pairs use). RL's tree r
 its growth rule, which answers the same few questions: how many roots to start, what to do before they start
 (AEPO's probe), what to note of a new segment (its entropy), which trajectories to fork after a round's
 generation or tools, and how to refill a group between rounds. It acts on the driver only through the driver's
-public methods (`run_rounds`, `new_root`, `take_id`, `fork`, `add_time`, `restart_ids`). All randomness comes from
-one numpy generator seeded by (seed, rollout call index).
+public methods (`run_rounds`, `generate`, `new_root`, `take_id`, `fork`, `add_time`, `restart_ids`). All
+randomness comes from one numpy generator seeded by (seed, rollout call index).
+
+Nothing waits forever: each round's `generate` runs within `generate_timeout_s` (stages/generation/generate_watch.py)
+and each tool call within agent.tool_timeout_s (stages/agent/tool_pool.py). The batch's metrics split the time:
+`time_generate_s`, `time_tools_s`, `time_tool_queue_s` (per round, the longest wait of a call for a pool thread or
+a rate-limit slot) and `tool_calls_per_round`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from stages.agent.stops import cut_at_stop
 from stages.core.config.generation import GenerationSettings
 from stages.core.log import progress
 from stages.generation.base import GenerationBackend, GenRequest, GenResult, SamplingSpec
+from stages.generation.generate_watch import GenerateWatch
 from stages.generation.prompt_items import PromptItem
 from stages.generation.rollout_state import GroupState, LiveTrajectory, to_batch, trajectory_metrics
 from stages.generation.types import RolloutBatch, Trajectory
@@ -131,7 +137,8 @@ class ToolRollout:
         check_prompts(prompts, self.cfg)
         rng = np.random.default_rng([self.seed, self.calls] if seed is None else [seed])
         self.calls += 1
-        self._timers, self._next_id = {"generate_s": 0.0, "tools_s": 0.0}, 0
+        self._timers, self._next_id = {"generate_s": 0.0, "tools_s": 0.0, "tool_queue_s": 0.0}, 0
+        self._rounds = self._tool_calls = 0
         start, before = time.perf_counter(), self.backend.stats.copy()
         self.backend.refresh_weights()
         try:
@@ -148,6 +155,8 @@ class ToolRollout:
                    **{k: float(v) for k, v in self.backend.stats.since(before).as_dict().items()}}
         metrics["forward_tokens_per_group"] = metrics["forward_tokens"] / len(groups)
         metrics.update({f"time_{k}": v for k, v in self._timers.items()})
+        metrics["tool_calls_per_round"] = self._tool_calls / max(1, self._rounds)
+        metrics["tools_offered"] = float(len(getattr(self.toolbox, "tools", ()) or ()))
         metrics["time_total_s"] = time.perf_counter() - start
         return to_batch(groups, self.tokenizer, metrics)
 
@@ -178,9 +187,9 @@ class ToolRollout:
                branching: bool) -> None:
         max_len = self.cfg.max_response_length
         requests = [GenRequest(m.key, m.context, m.budget(max_len)) for m in live]
-        t0 = time.perf_counter()
-        results = self.backend.generate(requests, self.sampling, seed=int(rng.integers(2**31 - 1)))
-        self._timers["generate_s"] += time.perf_counter() - t0
+        self._rounds += 1
+        results = self.generate(requests, self.sampling, int(rng.integers(2**31 - 1)),
+                                f"round {self._rounds}: {len(requests)} requests")
         for m, res in zip(live, results):
             m.seg_start = len(m.traj)
             m.append(res.token_ids, 1, res.logprobs, res.entropies)
@@ -190,6 +199,16 @@ class ToolRollout:
         calls = [(m, call) for m, res in zip(live, results) if (call := self._step(m, res)) is not None]
         self._run_tools(calls)
         self.growth.after_tools(self, groups, [m for m, _ in calls if not m.done], rng, branching)
+
+    def generate(self, requests: list[GenRequest], sampling: SamplingSpec, seed: int, what: str) -> list[GenResult]:
+        """`backend.generate` within cfg.generate_timeout_s (GenerateTimeout past it, unless the backend limits
+        its own requests: verl's server), timed as `generate_s`."""
+        t0 = time.perf_counter()
+        limit = None if getattr(self.backend, "enforces_timeout", False) else self.cfg.generate_timeout_s
+        with GenerateWatch(limit, what):
+            results = self.backend.generate(requests, sampling, seed=seed)
+        self._timers["generate_s"] += time.perf_counter() - t0
+        return results
 
     def _step(self, m: LiveTrajectory, res: GenResult) -> ToolCall | None:
         """The TIR step after a segment: finish the trajectory, or return the call it ends with."""
@@ -236,6 +255,9 @@ class ToolRollout:
         t0 = time.perf_counter()
         results = self.toolbox.execute_many([(call, m.state) for m, call in calls])
         self._timers["tools_s"] += time.perf_counter() - t0
+        # the round's tool phase lasts at least its longest-queued call's wait (a pool thread, a rate-limit slot)
+        self._timers["tool_queue_s"] += max(float(getattr(r, "queued_s", 0.0)) for r in results)
+        self._tool_calls += len(calls)
         for (m, call), res in zip(calls, results):
             tool = getattr(res, "tool", None) or call.tool
             m.traj.tool_calls[tool] = m.traj.tool_calls.get(tool, 0) + 1

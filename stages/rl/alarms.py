@@ -5,6 +5,8 @@ thresholds in `rl.alarms` (AlarmSection), and returns an `Alarm` for that step o
 
 - tool_collapse: tool calls per trajectory fell below `tool_drop_ratio` x their best earlier value (once that
   was at least `tool_min_peak`): the policy stopped using its tools.
+- tool_unused: the run's first step made no tool call at all although the prompt offers tools (`tools/offered`):
+  the policy never used them (tool_collapse needs an earlier peak to fall from).
 - entropy_collapse: mean token entropy below `entropy_drop_ratio` x the first step's, or below `entropy_floor`.
 - format_errors_rising: the format-error rate averaged over the last `window` steps is `format_error_rise`
   above the lowest average over any earlier `window` steps.
@@ -75,6 +77,17 @@ def tool_collapse(history: list[Row], rules: AlarmSection) -> str | None:
     peak, now = max(calls[:-1]), calls[-1]
     if peak >= rules.tool_min_peak and now < rules.tool_drop_ratio * peak:
         return f"tool calls per trajectory {now:.3g}, down from a best of {peak:.3g} (< {rules.tool_drop_ratio:g}x)"
+    return None
+
+
+def tool_unused(history: list[Row], rules: AlarmSection) -> str | None:
+    """The run's first step made no tool call although the prompt offers tools: tool_collapse cannot see it (no
+    earlier peak to fall from), and a policy that never calls its tools trains a tools profile on nothing."""
+    calls = _values(history, "tools/calls_per_traj")
+    offered = history[-1].get("tools/offered")
+    if len(calls) == 1 and calls[0] == 0 and offered:
+        return (f"no tool call at the first step although the prompt offers {offered:.0f} tool(s): the policy does "
+                "not use its tools (check the prompt template, the SFT stage and the stop tags)")
     return None
 
 
@@ -177,7 +190,7 @@ def sampler_drift(history: list[Row], rules: AlarmSection) -> str | None:
 
 
 CHECKS: dict[str, Callable[[list[Row], AlarmSection], str | None]] = {
-    "tool_collapse": tool_collapse, "entropy_collapse": entropy_collapse,
+    "tool_collapse": tool_collapse, "tool_unused": tool_unused, "entropy_collapse": entropy_collapse,
     "format_errors_rising": format_errors_rising, "reward_at_floor": reward_at_floor,
     "no_signal_groups": no_signal_groups, "reward_collapse": reward_collapse, "nonfinite_loss": nonfinite_loss,
     "infra_failures": infra_failures, "trees_dropped": trees_dropped, "sampler_drift": sampler_drift}

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stages.core.algorithm_spec import ALGORITHMS, AlgorithmSpec
+from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection, RolloutSection
 from stages.core.engine_spec import VERL_VERSION
 from stages.core.registry import Registry
@@ -284,14 +285,24 @@ def card_notes(rl: RLSection) -> list[str]:
     return notes
 
 
-def algorithm_card(rl: RLSection) -> AlgorithmCard:
+def tool_pool_row(agent: AgentSection, ref: ReferenceSetting) -> CardRow:
+    """The tool threads of one rollout worker (agent.concurrency) against the reference's pool."""
+    return _row("tool threads per rollout worker", str(agent.concurrency), ref.tool_threads,
+                "fewer threads queue a round's calls (timing/tool_queue_s; `arpo plan` says when a step is "
+                "tool-bound); agent.concurrency sets it", "tool-pool",
+                note="infrastructure: it changes a step's time, not what is trained")
+
+
+def algorithm_card(rl: RLSection, agent: AgentSection | None = None) -> AlgorithmCard:
+    """The card of `rl`; with the run's `agent` section, its tool pool's row too."""
     ref = reference_for(rl.algorithm, rl.reference_setting)
     trained = TRAINED.get(rl.engine)(rl)
     engine = CardRow("engine", f"{rl.engine}: {trained.source}", f"{ref.code}: {ref.fork}",
                      "differs", "infrastructure only: the algorithm functions are the same objects in both engines",
                      f"{DOC}#published-runs")
     return AlgorithmCard(rl.algorithm, rl.engine, ref,
-                         [engine, *rollout_rows(rl.algorithm, rl.rollout, ref), *training_rows(rl, trained, ref)],
+                         [engine, *rollout_rows(rl.algorithm, rl.rollout, ref), *training_rows(rl, trained, ref),
+                          *([tool_pool_row(agent, ref)] if agent is not None else [])],
                          card_notes(rl))
 
 

@@ -10,7 +10,7 @@ from stages.core.config.rl import RLSection
 
 def training_identity(cfg: RLSection) -> dict[str, Any]:
     """What the trained weights depend on: the RL section without the watching settings (alarm thresholds and
-    stop list, artifact refresh, the card's reference run), so changing those neither recomputes the stage nor
-    refuses its checkpoints."""
+    stop list, artifact refresh, the card's reference run, the launcher's stall watchdog), so changing those neither
+    recomputes the stage nor refuses its checkpoints."""
     return cfg.model_dump(mode="json", exclude={"alarms": True, "reference_setting": True,
-                                                "trainer": {"report_every"}})
+                                                "trainer": {"report_every"}, "verl": {"stall_timeout_s"}})

@@ -48,6 +48,9 @@ class ReferenceSetting:
     clip_ratios: tuple[float, float, float] = (0.2, 0.2, 3.0)
     fork: str = "its verl 0.3.1.dev fork"
     reward_code: str = "deep_research.py compute_score"
+    # threads of the tool pool of one rollout worker: ARPO's and AEPO's `tools.max_workers` 64
+    # (vllm_rollout_with_tools.py:93, ppo_trainer.yaml / ppo_trainer_dr.yaml:154; docs/reference.md "Tool pool")
+    tool_threads: str = "64"
 
 
 REFERENCE_SETTINGS: Registry[ReferenceSetting] = Registry("reference setting", {s.name: s for s in (
@@ -69,7 +72,8 @@ REFERENCE_SETTINGS: Registry[ReferenceSetting] = Registry("reference setting", {
                      "Tool_Star_RL/scripts/train/run_tool_star.sh -> train.sh (config verl/trainer/config/ppo_trainer.yaml)",
                      8, 8, 1, 0.5, 0.2, 0.0, False, 3, False, False, entropy_coeff=0.001,
                      clip_ratios=(0.2, 0.2, NO_DUAL_CLIP), fork="its verl 0.2 fork (Tool_Star_RL/src/verl)",
-                     reward_code="re_search.py compute_score (Tool_Star_RL/src/verl/verl/utils/reward_score)"),
+                     reward_code="re_search.py compute_score (Tool_Star_RL/src/verl/verl/utils/reward_score)",
+                     tool_threads="a round's python snippets at once on min(snippets, CPUs) processes"),
 )})
 def reference_for(algorithm: str, name: str | None = None) -> ReferenceSetting:
     """The setting `name` (rl.reference_setting), else the algorithm's published run (its spec's `reference`)."""

@@ -18,7 +18,6 @@ tree page (stages/rl/trees.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,9 +127,7 @@ class TreeGrowth:
         requests = [GenRequest(("probe-gen", m.key), m.context, self.cfg.probe_tokens) for m in roots]
         for g, req in zip(groups, requests):
             rollout.backend.fork(g.prompt_key, req.key, len(req.token_ids))
-        t0 = time.perf_counter()
-        results = rollout.backend.generate(requests, spec, seed=int(rng.integers(2**31 - 1)))
-        rollout.add_time("generate_s", time.perf_counter() - t0)
+        results = rollout.generate(requests, spec, int(rng.integers(2**31 - 1)), f"AEPO probe: {len(requests)} requests")
         rollout.run_rounds(probes, rng, branching=False, fill=False, label="probe", main=False)
         for g, res, m in zip(groups, results, roots):
             g.h_root = self.window.segment_entropy(res.entropies)

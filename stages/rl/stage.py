@@ -51,7 +51,7 @@ def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef
     out = stage_dir(output_root, "rl", rl_key(cfg, agent, policy, data, seed, dtype), force=force)
     if not out.complete:
         check_rl_rows(cfg, data)  # before a model is loaded or Ray started
-        write_text(out.path / CARD_FILE, card_markdown(algorithm_card(cfg)))
+        write_text(out.path / CARD_FILE, card_markdown(algorithm_card(cfg, agent)))
         base = base_model(policy)  # `arpo plan` projects runs of these per-step settings from this one's metrics
         write_identity(out.path, step_identity(cfg, agent, base.name if base else "", dtype))
         with tracking.stage_run("rl", out.path) as run:  # each engine logs its metrics.jsonl rows into it

@@ -60,6 +60,7 @@ def rollout_metrics(batch: RolloutBatch, rewards: list[Reward]) -> dict[str, flo
         "response/model_tokens": _mean([float(sum(t.loss_mask)) for t in trajs]),
         "response/tool_tokens": _mean([float(len(t) - sum(t.loss_mask)) for t in trajs]),
     }
+    row |= step_time_split(batch.metrics)
     for tool in sorted({k for t in trajs for k in t.tool_calls}):
         row[f"tools/{tool}_per_traj"] = _mean([float(t.tool_calls.get(tool, 0)) for t in trajs])
     for reason, count in sorted(finish.items()):
@@ -68,6 +69,27 @@ def rollout_metrics(batch: RolloutBatch, rewards: list[Reward]) -> dict[str, flo
         if isinstance(value, (int, float)):
             row[f"rollout/{key}"] = float(value)
     return row
+
+
+def step_time_split(metrics: dict[str, Any]) -> dict[str, float]:
+    """Where a rollout's time went (stages.generation.tool_rollout): generate, tools, the tools' queueing (per
+    round the longest wait of a call for a pool thread or a rate-limit slot, summed) and tool calls per round;
+    `tools/offered`: the tools the prompt offers (the tool_unused alarm at the first step)."""
+    names = {"time_generate_s": "timing/generate_s", "time_tools_s": "timing/tools_s",
+             "time_tool_queue_s": "timing/tool_queue_s", "tool_calls_per_round": "tools/calls_per_round",
+             "tools_offered": "tools/offered"}
+    return {ours: float(metrics[key]) for key, ours in names.items() if isinstance(metrics.get(key), (int, float))}
+
+
+def step_note(row: dict[str, Any]) -> str:
+    """The step's progress line: reward, tool use, and where the rollout's time went."""
+    nan = float("nan")
+    note = f"reward {row.get('reward/mean', nan):.3f}, tools/traj {row.get('tools/calls_per_traj', nan):.2f}"
+    if "timing/generate_s" in row:
+        note += (f", generate {row['timing/generate_s']:.1f}s, tools {row.get('timing/tools_s', 0.0):.1f}s "
+                 f"(queued {row.get('timing/tool_queue_s', 0.0):.1f}s, {row.get('tools/calls_per_round', 0.0):.1f} "
+                 "calls/round)")
+    return note
 
 
 def _group_rows(batch: RolloutBatch) -> list[list[int]]:

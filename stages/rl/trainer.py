@@ -34,6 +34,7 @@ from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.rl_parquet import RLRow, read_rl_parquet
+from stages.generation.generate_watch import GenerateTimeout, stuck_generate
 from stages.generation.models import load_policy, load_tokenizer
 from stages.generation.session import RolloutSession
 from stages.generation.types import RolloutBatch
@@ -56,6 +57,7 @@ from stages.rl.step_metrics import (
     plot_curves,
     reconcile_metrics,
     rollout_metrics,
+    step_note,
 )
 from stages.rl.tree_report import finish_pages
 from stages.rl.update import build_step_tensors, ppo_update
@@ -179,11 +181,13 @@ class RLTrainer:
         try:
             with reporter.track("rl", f"RL ({self.cfg.algorithm})", total=self.total_steps, done=state.step) as bar:
                 while state.step < self.total_steps:
-                    row = self.step(state, session, pad_id, history)
+                    try:
+                        row = self.step(state, session, pad_id, history)
+                    except GenerateTimeout as err:
+                        raise stuck_generate(err, self.path, state.step + 1) from None
                     history.append(row)
                     tracking.log_step(row)  # the stage's tracker run (stages.core.tracking), same names
-                    bar.update(state.step, note=f"reward {row['reward/mean']:.3f}, tools/traj "
-                                                f"{row['tools/calls_per_traj']:.2f}")
+                    bar.update(state.step, note=step_note(row))
                     if state.step % self.cfg.trainer.report_every == 0 or state.step == self.total_steps:
                         publish_results(self.cfg, self.path, history)
         finally:

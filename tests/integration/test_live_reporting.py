@@ -182,7 +182,8 @@ def test_an_alarm_in_stop_on_ends_rl_once_after_its_alert(tiny_model, synthetic_
             return (await client.read_task_run(task_run_id)).run_count
 
     assert asyncio.run(run_count()) == 1
-    _, artifacts, events = _read(task_run_id, want_events=1, prefix="arpo.rl.alarm")
+    # (the untrained tiny policy may also get tool_unused at step 1: a warning, not in stop_on)
+    _, artifacts, events = _read(task_run_id, want_events=1, prefix="arpo.rl.alarm.entropy_collapse")
     card = next(a for a in artifacts if a.key == "rl-algorithm-card")   # published before the stage ran
     assert {row["mechanism"]: row["verdict"] for row in json.loads(card.data)}["branch rule"] == "same"
     alert = next(a for a in artifacts if a.key == "rl-alarms")
@@ -192,8 +193,8 @@ def test_an_alarm_in_stop_on_ends_rl_once_after_its_alert(tiny_model, synthetic_
     assert "# Algorithm card: arpo on the local engine" in (stage / "algorithm_card.md").read_text()
     assert not list((stage / "checkpoints").glob("step_*"))       # the alarmed step was not saved
     assert (stage / "trees" / "step_000001.html").is_file()         # but its rollout trees are there to look at
-    assert [json.loads(line)["name"] for line in (stage / "alarms.jsonl").read_text().splitlines()] == \
-        ["entropy_collapse"]
+    assert [n for line in (stage / "alarms.jsonl").read_text().splitlines()
+            if (n := json.loads(line)["name"]) != "tool_unused"] == ["entropy_collapse"]
 
 
 @task

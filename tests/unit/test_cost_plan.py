@@ -93,3 +93,38 @@ def test_arpo_plan_prints_the_estimate(capsys):
                                                              "basis": "exact", "error": 0.0, "note": ""}
     assert main(["plan", "-p", "tiny-cpu", "-o", "run.output_root=/nonexistent"]) == 0
     assert "| trajectories | 8 | 16 | exact |" in capsys.readouterr().out
+
+
+def test_tool_time_against_generate_time_says_when_a_step_is_tool_bound():
+    # aepo 14B on verl: 64 prompts x 12 = 768 trajectories x <= 6 calls = 4608 calls per step over 6 call rounds
+    # and 8 agent-loop workers: 96 calls per round per worker -> ceil(96 / 64) = 2 waves of 1.5 s -> 6 x 2 x 1.5 =
+    # 18 s of tools, 6 x 1 x 1.5 = 9 s queueing; web search at 2 requests/s: 4608 / 2 = 2304 s floor; generate:
+    # 6192 tokens / 30 tokens/s = 206.4 s -> tool-bound by the rate limit
+    lines = _lines(est := estimate(load_config("aepo-qwen3-14b-deepsearch"), train_rows=None))
+    assert lines["tool calls per round per worker"][0] == 96
+    assert lines["tool queueing (s)"][0] == 9 and lines["web rate-limit floor (s)"][0] == 2304
+    assert lines["generate time (s)"][0] == pytest.approx(206.4) and lines["tool time (s)"][0] == 2304
+    assert est.verdict.startswith("**Tool-bound**") and "web rate limit" in est.verdict
+    assert est.verdict in render_markdown(est)
+    # a local index: the pool alone, 18 s < 206.4 s -> not tool-bound ...
+    local = estimate(load_config("aepo-qwen3-14b-deepsearch", ["agent.search.backend=local"]), train_rows=None)
+    assert _lines(local)["tool time (s)"][0] == 18 and local.verdict.startswith("Not tool-bound")
+    # ... but with the old 4 threads: ceil(96 / 4) = 24 waves -> 6 x 24 x 1.5 = 216 s, 207 s of it queueing
+    four = estimate(load_config("aepo-qwen3-14b-deepsearch", ["agent.search.backend=local", "agent.concurrency=4"]),
+                    train_rows=None)
+    assert _lines(four)["tool time (s)"][0] == 216 and _lines(four)["tool queueing (s)"][0] == 207
+    assert "raise agent.concurrency" in four.verdict
+
+
+def test_a_measured_split_replaces_the_assumed_speeds(tmp_path: Path):
+    write_jsonl(tmp_path / "metrics.jsonl", [
+        {"step": 1, "timing/generate_s": 100.0, "timing/tools_s": 300.0, "timing/tool_queue_s": 200.0,
+         "tools/calls_per_round": 40.0},
+        {"step": 2, "timing/generate_s": 120.0, "timing/tools_s": 340.0, "timing/tool_queue_s": 220.0,
+         "tools/calls_per_round": 44.0}])
+    cfg = load_config("aepo-qwen3-14b-deepsearch", [f"cost.measured={tmp_path}"])
+    est = estimate(cfg, train_rows=None, measured=read_measured(tmp_path))
+    lines = _lines(est)
+    assert lines["generate time (s)"] == (110.0, None, "measured") and lines["tool time (s)"][0] == 320.0
+    assert lines["tool queueing (s)"][0] == 210.0 and lines["tool calls per round per worker"][0] == 42.0
+    assert "raise agent.concurrency" in est.verdict

@@ -51,6 +51,19 @@ def test_tool_calls_falling_to_zero():
     assert fired(stream(**{"tools/calls_per_traj": [0.2, 0.0, 0.0]})) == {}
 
 
+def test_no_tool_call_at_step_1_of_a_tools_profile():
+    # step 1 of a prompt offering 2 tools, no call: fires at once (tool_collapse needs an earlier peak); later
+    # zero steps fall to the peak rule (a best of 0 < tool_min_peak: quiet)
+    rows = stream(**{"tools/calls_per_traj": [0.0, 0.0, 0.0], "tools/offered": [2.0, 2.0, 2.0]})
+    alarms = detect_alarms(rows[:1], RULES)
+    assert [(a.name, a.step) for a in alarms] == [("tool_unused", 1)]
+    assert "no tool call at the first step" in alarms[0].message and "offers 2 tool(s)" in alarms[0].message
+    assert fired(rows) == {1: ["tool_unused"]}
+    # a no-tool profile (the prompt offers none) and a step 1 with calls stay quiet
+    assert fired(stream(**{"tools/calls_per_traj": [0.0, 0.0], "tools/offered": [0.0, 0.0]})) == {}
+    assert fired(stream(**{"tools/calls_per_traj": [0.5, 0.6], "tools/offered": [2.0, 2.0]})) == {}
+
+
 def test_entropy_collapse_relative_and_absolute():
     # 0.1 x the first step's 0.3 = 0.03: 0.031 passes, 0.029 fires
     assert fired(stream(**{"entropy/mean": [0.3, 0.031, 0.029]})) == {3: ["entropy_collapse"]}

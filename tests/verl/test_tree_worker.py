@@ -125,6 +125,9 @@ def test_tree_loop_yields_n_trajectories_as_n_sessions_with_n_rewards(tiny_verl_
     extras = list(data["extra_fields"])
     assert [e["arpo_kind"] for e in extras].count("branch") >= 1      # branch_probability 1: the tree branched
     assert {(e["min_global_steps"], e["max_global_steps"]) for e in extras} == {(2, 2)}  # weights that served it
+    # the tree's time split rides every trajectory (our trainer mode reads it: stages/rl/verl/monitor.py TIME_FIELDS)
+    assert len({(e["arpo_time_generate_s"], e["arpo_time_tools_s"], e["arpo_calls_per_round"]) for e in extras}) == 1
+    assert extras[0]["arpo_time_generate_s"] > 0 and extras[0]["arpo_calls_per_round"] > 0
     # the tree's decisions survive verl's conversion (stages/rl/tree_record.py): the copy's draw on its parent
     from stages.rl.tree_record import extra_tree_fields
 
@@ -264,6 +267,27 @@ def test_a_tree_that_fails_midway_leaves_no_trajectory_behind(tiny_verl_config, 
     assert calls == [0, 1, 2] and keys == ["u1_0_0", "u1_1_0"]         # two sessions were stored ...
     assert store["cleared"] == ["u1_0_0", "u1_1_0"]                      # ... and removed again
     assert store["status"] == [("u1", "running"), ("u1", "failure")]
+
+
+def test_an_unanswered_generate_request_drops_the_tree_as_an_infra_failure(tiny_verl_config, settings_file,
+                                                                           monkeypatch):
+    """A server that never answers: past rl.rollout.generate_timeout_s the tree loop gives up, the worker marks the
+    prompt failed with nothing stored, and the failure is recorded as infrastructure (rollout/trees_dropped_infra)."""
+    from stages.rl.verl import agent_loop
+
+    settings_file(generate_timeout_s=0.3)
+    worker, _, store = make_worker(tiny_verl_config, monkeypatch)
+
+    async def never(request_id, *, prompt_ids, sampling_params, **_):
+        await asyncio.Event().wait()
+
+    worker.llm_client.generate = never
+    faults = []
+    record = agent_loop.record_failure
+    monkeypatch.setattr(agent_loop, "record_failure", lambda *a: faults.append((record(*a), repr(a[3]))) or faults[-1][0])
+    run_prompt(worker, sample())
+    assert store["puts"] == [] and store["status"] == [("u1", "running"), ("u1", "failure")]
+    assert faults[0][0] == "infra" and "generate_timeout_s=0.3" in faults[0][1]
 
 
 def test_trees_are_seeded_from_step_and_index_not_from_uid(tiny_verl_config, settings_file, monkeypatch):

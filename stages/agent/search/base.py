@@ -9,6 +9,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Self
 
+from stages.core.ratelimit import sleep_for_slot
+
 NO_RESULTS = "No search results found."
 _PREFIX = re.compile(r"^\s*search\s+query\s*:\s*", re.IGNORECASE)
 _PAGE = re.compile(r"(?m)^Page (\d+): ")
@@ -78,10 +80,7 @@ class RateLimiter:
             now = time.monotonic()
             slot = max(now, self._next)
             self._next = slot + self.interval
-        wait = slot - now
-        if wait > 0:
-            time.sleep(wait)
-        return wait
+        return sleep_for_slot(slot - now)
 
 
 class SearchBackend(ABC):

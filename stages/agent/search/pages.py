@@ -58,7 +58,7 @@ from stages.agent.search.wire import (
 from stages.core.atomic import write_json
 from stages.core.config.browse import BrowseSection
 from stages.core.log import get_logger
-from stages.core.ratelimit import SharedRateLimiter
+from stages.core.ratelimit import SharedRateLimiter, sleep_for_slot
 from stages.core.store import SQLiteStore, store_key
 
 __all__ = ["Page", "PageCache", "PageFailure", "PageFetcher", "check_address", "export_page_cache"]
@@ -215,8 +215,7 @@ class PageFetcher:
             if wait > deadline.left():
                 raise PageFailure("rate_limited", f"the rate limit's next turn is {wait:.1f} s away, past the "
                                   f"page's {self.cfg.timeout_s:g} s limit", transient=True)
-            if wait > 0:
-                time.sleep(wait)
+            sleep_for_slot(wait)
         with self._lock:
             self.requests += 1
 

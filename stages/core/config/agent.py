@@ -153,7 +153,14 @@ class AgentSection(Section):
     limits: ToolLimitsSection = ToolLimitsSection()
     cache: ToolCacheSection = ToolCacheSection()
     inference: InferenceToolsSection = InferenceToolsSection()
-    concurrency: int = Field(4, ge=1, description="tool calls run at once by ToolBox.execute_many")
+    concurrency: int = Field(4, ge=1, description="threads of the tool pool of one process (ToolBox.execute_many): "
+                             "tool calls run at once by one trainer, or by one agent-loop worker on verl (its trees "
+                             "share the pool). The reference runs 64 per rollout worker (docs/agent.md, Tool pool)")
+    tool_timeout_s: float | None = Field(
+        600.0, gt=0, description="a tool call still running this long after it started is an infrastructure "
+        "failure: its trajectory is masked and counted (tools/infra_failures); the stuck thread is abandoned and "
+        "the pool replaced. Above the tools' own limits (python.timeout_s, search.web.timeout_s x retries); "
+        "None = wait forever")
 
     @model_validator(mode="after")
     def _python_cache_needs_seed(self) -> AgentSection:

@@ -24,6 +24,13 @@ class CostSection(Section):
         None, description="a measured RL run to project from: its stage folder or metrics.jsonl; None = the newest "
         "RL stage folder under run.output_root whose per-step settings equal this config's (a short run with "
         "fewer steps counts)")
+    tool_call_seconds: float = Field(
+        1.5, gt=0, description="assumed wall time of one tool call (a search request, a sandbox run) for the plan's "
+        "tool time when no measured run is found; a run's own is timing/tools_s over its calls")
+    decode_tokens_per_second: float = Field(
+        30.0, gt=0, description="assumed decode speed of ONE sequence inside a full rollout batch, for the plan's "
+        "generate time (the longest trajectory sets a round's pace) when no measured run is found; a run's own "
+        "is timing/generate_s")
     tolerance: float = Field(
         0.5, gt=0, description="stated relative error of quantities projected from a measured run (tool calls, "
         "tokens, step time): the policy's lengths and tool use drift as it trains; bounds from the limits have "

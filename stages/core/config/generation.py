@@ -27,3 +27,4 @@ class GenerationSettings:
     kv_reuse: bool             # transformers backend: keep KV caches across rounds
     entropy_quantity: str      # per-token entropy (stages/generation/token_entropy.py)
     entropy_topk: int
+    generate_timeout_s: float | None = None  # a round's generate past this: GenerateTimeout (None = no limit)

@@ -63,6 +63,11 @@ class RolloutSection(Section):
     kv_reuse: bool = Field(True, description="transformers backend: keep KV caches across rounds and share "
                            "them with branches; false re-prefills every context each round (baseline)",
                            json_schema_extra=used_when(backend="transformers"))
+    generate_timeout_s: float | None = Field(
+        1800.0, gt=0, description="a generate request with no answer this long is an infrastructure failure. verl: "
+        "the request's tree is dropped and counted (rollout/trees_dropped_infra); local engine: the step stops "
+        "with the error and every thread's stack in the stage folder (re-running resumes). Above a whole "
+        "response's decode time (max_response_length tokens); None = wait forever")
 
     @model_validator(mode="after")
     def _budget(self) -> RolloutSection:
@@ -80,7 +85,8 @@ class RolloutSection(Section):
             n=self.n, call_limit=self.call_limit, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_prompt_length=self.max_prompt_length, max_response_length=self.max_response_length,
             prompt_overflow=self.prompt_overflow, backend=self.backend, kv_reuse=self.kv_reuse,
-            entropy_quantity=self.entropy_quantity, entropy_topk=self.entropy_topk)
+            entropy_quantity=self.entropy_quantity, entropy_topk=self.entropy_topk,
+            generate_timeout_s=self.generate_timeout_s)
 
 
 class AdvantageSection(Section):
@@ -142,7 +148,7 @@ class OptimSection(Section):
                                        "gradient's first and second moment estimates")
 
 
-AlarmName = Literal["tool_collapse", "entropy_collapse", "format_errors_rising", "reward_at_floor",
+AlarmName = Literal["tool_collapse", "tool_unused", "entropy_collapse", "format_errors_rising", "reward_at_floor",
                    "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures", "trees_dropped",
                    "sampler_drift"]
 

@@ -47,6 +47,11 @@ class VerlSection(Section):
     reward_workers: int = Field(8, ge=1, description="verl reward-loop worker processes (reward.num_workers); "
                                 "each loads verl and the tokenizer (~0.8 GB of RAM)")
     max_concurrent_trees: int = Field(64, ge=1, description="trees rolled out at once per agent-loop worker")
+    stall_timeout_s: float | None = Field(
+        3600.0, gt=0, description="the launcher's stall watchdog: no new step for this long (the first step "
+        "includes loading the models and starting the servers) -> the stacks of the trainer and its workers go to "
+        "<stage>/stacks/, the run stops with an error naming the stuck part, and re-running resumes from the "
+        "newest checkpoint (stages/rl/verl/watchdog.py). None = no watchdog")
     ray_address: str | None = Field(None, description="join this Ray cluster (e.g. auto); None = start one")
     ray_num_cpus: int | None = Field(
         None, ge=1, description="logical CPUs of the Ray cluster verl starts (ray_init.num_cpus; Ray does not pin "

@@ -9,6 +9,8 @@ fresh interpreter sees every registration (verl swallows plugin import errors) a
 the same token ids as in the parent environment, and builds what the agent-loop workers will build (sandbox with one
 real call, search backend and key, tool cache) here or on every node of rl.verl.ray_address
 (stages/rl/verl/node_check.py); then runs `python -m verl.trainer.main_ppo <overrides>`.
+While verl runs, a stall watchdog (stages/rl/verl/watchdog.py) stops a run that makes no step progress for
+rl.verl.stall_timeout_s, with the stacks of its processes in `<stage>/stacks/` and an error naming the stuck part.
 Re-running after a crash resumes: `trainer.resume_mode=auto` loads the newest `checkpoints/global_step_*`
 (weights, optimizer, RNG, dataloader) and trees are seeded from (seed, step, dataset index).
 The result is `CheckpointRef(format="verl_fsdp")` at `global_step_<N>/actor`, which the merge stage turns into an
@@ -48,6 +50,7 @@ from stages.rl.verl.monitor import Follower, LiveReport, read_steps
 from stages.rl.verl.parity import check_parity
 from stages.rl.verl.resources import preflight
 from stages.rl.verl.settings import SETTINGS_ENV, PluginSettings, write_settings
+from stages.rl.verl.watchdog import STACK_DIR_ENV, StallWatch
 
 log = get_logger(__name__)
 PARITY_PROMPTS = 4
@@ -146,6 +149,8 @@ def prepare(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRe
     handoff = tracking.current().handoff(nested="verl")  # verl's own logger: a run nested in the stage's
     overrides = verl_overrides(cfg, dtype, seed, paths, model_type_of(model_dir), handoff)
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={attempt}")
+    # every Ray process of the run registers its faulthandler stack dump there (stages/rl/verl/watchdog.py)
+    overrides.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{STACK_DIR_ENV}={stage / 'stacks'}")
     write_text(inputs / "overrides.txt", "\n".join(overrides) + "\n")
     return overrides, paths, rows
 
@@ -207,13 +212,16 @@ def reap_leftovers(settings_path: str) -> None:
 
 
 def run_main_ppo(overrides: list[str], env: dict[str, str], stage: Path,
-                 on_poll: Callable[[], object] | None = None, poll_s: float = 5.0) -> int:
-    """`python -m verl.trainer.main_ppo` in its own process group, killed when it ends, when this process is
-    interrupted (or `on_poll`, called every `poll_s` while verl runs, raises), or (parent-death signal) when this
-    process is killed: the Ray cluster verl starts (GCS, raylet, workers, vLLM; Ray's head processes share the
-    driver's fate) never outlives the stage."""
+                 on_poll: Callable[[], object] | None = None, poll_s: float = 5.0, watch: StallWatch | None = None,
+                 command: list[str] | None = None) -> int:
+    """`python -m verl.trainer.main_ppo` (or `command`) in its own process group, killed when it ends, when this
+    process is interrupted (or `on_poll`, called every `poll_s` while verl runs, raises; or `watch` finds the run
+    stalled: RunStalled, with the stacks in the stage folder), or (parent-death signal) when this process is killed:
+    the Ray cluster verl starts (GCS, raylet, workers, vLLM; Ray's head processes share the driver's fate) never
+    outlives the stage."""
     with open(stage / "verl.log", "a") as console:
-        proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env, cwd=stage,
+        argv = command or [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+        proc = subprocess.Popen(argv, env=env, cwd=stage,
                                 stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)
         try:
@@ -226,6 +234,8 @@ def run_main_ppo(overrides: list[str], env: dict[str, str], stage: Path,
                     on_poll()
                 if code is not None:
                     return code
+                if watch:
+                    watch.check(proc.pid)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -247,10 +257,18 @@ def run_rl_verl(cfg: RLSection, agent: AgentSection, policy: ModelRef | Checkpoi
     reap_leftovers(paths.settings)
     prune_verl_checkpoints(Path(paths.checkpoints), cfg.trainer.keep_checkpoints)  # a crashed attempt's old ones
     resumed = latest_step(Path(paths.checkpoints)) or 0
+    env[STACK_DIR_ENV] = str(stage / "stacks")   # every process of the run dumps its stacks there on SIGUSR2
+    watch = StallWatch(cfg.verl.stall_timeout_s, stage, paths.settings)
     with reporter.track("rl", f"RL ({cfg.algorithm}, verl)", total=total_steps(cfg, len(rows)), done=resumed) as bar:
         live = LiveReport(cfg, stage, bar, resumed)
+
+        def on_step(row: dict) -> None:
+            watch.progress(row["step"])
+            live.on_step(row)
+
         try:
-            returncode = run_main_ppo(overrides, env, stage, Follower(lambda: attempts(stage), live.on_step).poll)
+            returncode = run_main_ppo(overrides, env, stage, Follower(lambda: attempts(stage), on_step).poll,
+                                      watch=watch)
         finally:
             finish_pages(cfg, stage)  # an alarm stop included: a tree page per dumped step (tree_report.py)
     history = collect_metrics(stage)

@@ -34,6 +34,11 @@ VERL_NAMES = {
     "timing_s/step": "timing/step_s", "training/epoch": "epoch",
 }
 
+# tree_outputs' per-tree fields -> the local engine's names (stages.rl.step_metrics.step_time_split)
+TIME_FIELDS = {"arpo_time_generate_s": "timing/generate_s", "arpo_time_tools_s": "timing/tools_s",
+               "arpo_time_tool_queue_s": "timing/tool_queue_s", "arpo_calls_per_round": "tools/calls_per_round",
+               "arpo_tools_offered": "tools/offered"}
+
 
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
@@ -79,6 +84,11 @@ def rollout_metrics(uids: Sequence[Any], extras: Sequence[dict[str, Any]], score
         "response/model_tokens": float(model_tokens.mean()),
         "response/tool_tokens": float((lengths_B.float() - model_tokens).mean()),
     }
+    # where the trees' time went (each tree's own split, from tree_outputs): the mean over the step's trees
+    for field, name in TIME_FIELDS.items():
+        values = [float(e[field]) for e in first.values() if isinstance(e.get(field), (int, float))]
+        if values:
+            row[name] = _mean(values)
     row |= {f"finish/{reason}": count / n for reason, count in sorted(finish.items())}
     if entropy_BT is not None:
         mask = mask_BT.float()
@@ -162,6 +172,7 @@ class LiveReport:
         from stages.core.tracking import log_step
         from stages.rl.alarms import AlarmStop
         from stages.rl.publish import publish_results
+        from stages.rl.step_metrics import step_note
 
         self.history = sorted([r for r in self.history if r["step"] != row["step"]] + [row], key=lambda r: r["step"])
         try:
@@ -172,8 +183,7 @@ class LiveReport:
         finally:
             write_jsonl(self.stage / "metrics.jsonl", self.history)
             log_step(row)  # the stage's tracker run (stages.core.tracking): the local engine's names
-        self.tracker.update(row["step"], note=f"reward {row.get('reward/mean', float('nan')):.3f}, tools/traj "
-                                              f"{row.get('tools/calls_per_traj', float('nan')):.2f}")
+        self.tracker.update(row["step"], note=step_note(row))
         if row["step"] % self.cfg.trainer.report_every == 0:  # rl-curves, and rl-rollouts from our step dumps
             publish_results(self.cfg, self.stage, self.history)
 

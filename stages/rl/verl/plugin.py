@@ -8,6 +8,7 @@ VERL_USE_EXTERNAL_MODULES=stages.rl.verl.plugin in Ray's runtime env), so every 
   trainer package in the process (stages.rl.verl.lazy: they import vLLM, which most verl processes never need);
 - trainer mode `arpo_sync` (stages.rl.verl.trainer_mode, likewise), every verl run: verl's sync mode, our
   advantages over whole trees (any attribution, AEPO entropy-aware) and our rollout metrics;
+- with ARPO_STACK_DIR set (the launcher sets it): a faulthandler stack dump on SIGUSR2 (stages.rl.verl.watchdog);
 - with ARPO_VERL_ENTROPY=topk: our vLLM server replica returning top-k entropies (stages.rl.verl.topk_server).
 
 verl swallows plugin import errors (logged at DEBUG), so the launcher checks `registrations()` in a fresh
@@ -35,6 +36,9 @@ from stages.rl.verl.mapping import (
 )
 from stages.rl.verl.mapping import POLICY_LOSSES as VERL_NAMES
 from stages.rl.verl.settings import load_settings
+from stages.rl.verl.watchdog import register_stack_dump
+
+register_stack_dump()   # every process of a run: stacks on SIGUSR2 for the launcher's stall watchdog
 
 
 @register_adv_est(ADV_ESTIMATOR)

@@ -7,6 +7,10 @@ Every request of one tree carries the same request id: verl's load balancer rout
 branches and rounds hit one vLLM replica and its prefix cache serves the shared prompt and branch prefixes (the
 role `fork` / `prefill` play in our transformers backend; here they are no-ops, as in our vLLM backend).
 
+No request waits forever: a round's requests get `rl.rollout.generate_timeout_s` from their submission (they run
+concurrently); past it the unanswered ones are cancelled and `GenerateTimeout` (a TimeoutError: an infrastructure
+fault, stages/rl/verl/failures.py) ends the tree, which the agent-loop worker drops and counts.
+
 verl's server reports only the sampled ids, their log-probs and 'completed' / 'aborted', so the finish reason is
 read off the ids: EOS when the last id is an EOS id, `stop` when a stop tag ends the decoded tail, else `length`.
 
@@ -23,8 +27,10 @@ import asyncio
 import functools
 import json
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from stages.agent.stops import StopMatcher
@@ -41,6 +47,7 @@ from stages.generation.base import (
     eos_ids_of,
     vllm_sampling_params,
 )
+from stages.generation.generate_watch import GenerateTimeout
 from stages.generation.prompt_items import build_prompt_items
 from stages.generation.token_entropy import TokenEntropy
 from stages.generation.types import RolloutBatch
@@ -94,10 +101,13 @@ class ServerBackend(PrefixCached):
     """GenerationBackend over verl's `LLMServerClient.generate`, called from a thread beside the event loop."""
 
     name = "verl-server"
+    enforces_timeout = True   # its requests' own limit (the driver's GenerateWatch is not needed)
 
     def __init__(self, generate: GenerateFn, loop: asyncio.AbstractEventLoop, request_id: str, tokenizer,
-                 eos_token_ids: frozenset[int], entropy: TokenEntropy | None = None) -> None:
+                 eos_token_ids: frozenset[int], entropy: TokenEntropy | None = None,
+                 timeout_s: float | None = None) -> None:
         self._generate, self._loop, self.request_id = generate, loop, request_id
+        self.timeout_s = timeout_s
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.entropy = entropy or TokenEntropy("surprisal")
         self.vocab_size = len(tokenizer)
@@ -114,9 +124,16 @@ class ServerBackend(PrefixCached):
             self.request_id, prompt_ids=list(r.token_ids), sampling_params=server_sampling_params(
                 sampling, r.max_new_tokens, None if seed is None else seed + i, self.entropy)),
             self._loop) for i, r in enumerate(requests)]
-        results = []
+        results, deadline = [], None if self.timeout_s is None else time.monotonic() + self.timeout_s
         for req, future in zip(requests, futures):
-            output = future.result()
+            try:
+                output = future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                for pending in futures:
+                    pending.cancel()   # cancels the coroutine on the event loop (verl's client aborts it)
+                raise GenerateTimeout(
+                    f"verl's LLM server answered {len(results)} of {len(requests)} generate requests of tree "
+                    f"{self.request_id} within rl.rollout.generate_timeout_s={self.timeout_s:g} s") from None
             res = result_from_token_output(output, stopper, self.eos_token_ids, self.vocab_size, self.entropy)
             cached = int((output.extra_fields or {}).get("num_cached_tokens") or 0)
             if (output.extra_fields or {}).get("global_steps") is not None:
@@ -171,6 +188,12 @@ def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
     index_of = {t.traj_id: i for i, t in enumerate(group.trajectories)}
     generate_s = batch.metrics.get("time_generate_s", 0.0) / max(1, len(group.trajectories))
     tools_s = batch.metrics.get("time_tools_s", 0.0) / max(1, len(group.trajectories))
+    # the tree's time split, on every trajectory (the trainer mode reads it from each tree's first row:
+    # stages/rl/verl/monitor.py TIME_FIELDS); verl's own AgentLoopMetrics reach no metric we log
+    split = {field: float(batch.metrics.get(key, 0.0)) for field, key in (
+        ("arpo_time_generate_s", "time_generate_s"), ("arpo_time_tools_s", "time_tools_s"),
+        ("arpo_time_tool_queue_s", "time_tool_queue_s"), ("arpo_calls_per_round", "tool_calls_per_round"),
+        ("arpo_tools_offered", "tools_offered"))}
     outputs = []
     for i, traj in enumerate(group.trajectories):
         calls = sum(traj.tool_calls.values())
@@ -189,6 +212,7 @@ def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
                 "arpo_masked": int(traj.masked),
                 "arpo_branches": group.branches, "arpo_fresh": group.fresh,
                 TREE_FIELD: json.dumps(trajectory_record(traj, group)),  # the tree's decisions, for the dump
+                **split,
             },
         })
     return outputs
@@ -216,7 +240,7 @@ async def rollout_tree(generate: GenerateFn, tokenizer, toolbox, settings: Plugi
                                source=f"verl dataset row {row.index}")
     eos = frozenset(settings.eos_token_ids) if settings.eos_token_ids else eos_ids_of(tokenizer)
     backend = ServerBackend(generate, asyncio.get_running_loop(), request_id, tokenizer, eos,
-                            TokenEntropy(cfg.entropy_quantity, cfg.entropy_topk))
+                            TokenEntropy(cfg.entropy_quantity, cfg.entropy_topk), cfg.generate_timeout_s)
     tree = TreeRollout(backend, toolbox, tokenizer, cfg, VALIDATION_ALGORITHM if validate else settings.algorithm,
                        show_progress=False)
     seed = tree_seed(settings.seed, global_step, row.index, validate)
