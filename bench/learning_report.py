@@ -23,7 +23,8 @@ ALGOS = tuple(spec.name for spec in SPECS)   # the algorithm table, in its order
 BASELINE = next(spec.name for spec in SPECS if not spec.branches)  # what the tree algorithms are compared with
 
 EARLY_LATE = 3  # steps averaged for "early" (first) and "late" (last) training values
-COLLAPSE_ALARMS = ("reward_at_floor", "reward_collapse", "entropy_collapse", "tool_collapse", "nonfinite_loss")
+COLLAPSE_ALARMS = ("reward_at_floor", "reward_collapse", "formed_but_wrong", "entropy_collapse", "tool_collapse",
+                   "nonfinite_loss")
 ABOUT_HALF = (0.35, 0.65)  # the tool-call ratio range read as the paper's "about half"
 
 
