@@ -109,7 +109,7 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
             "summary": f"accuracy on the {split}{variant}, {policies}; {{bench_wall_min:.0f}} min wall",
             "what": "does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, the protocol's "
                     "endpoints" + (f"; variant {args.tag}" if args.tag else ""),
-            "details": "#learning-bench-protocol",
+            "details": "learning.md",
             "conditions": merged_conditions(old.get("conditions", {}), list(results), {
                 "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
                 "control_seeds": [s for s in args.control_seeds.split(",") if s], "split": args.split,
@@ -128,3 +128,41 @@ def merged_conditions(old: dict[str, Any], ran: list[str], this: dict[str, Any],
     by_family.update(old.get("by_family", {}))
     by_family.update({family: this for family in ran})
     return {"families": sorted(by_family), **this, "per_question": per_question, "by_family": by_family}
+
+
+def descriptive_gain_cells(family: Any, policy: str) -> dict[str, str]:
+    """A policy's "gain vs SFT" and "mean gain [95%]" cells of the descriptive table, recomputed from the
+    per-question file (`Family`): each run paired with SFT's evaluation of its own seed, as the report pairs them."""
+    from bench.learning_questions import SFT, paired
+    from bench.learning_report import gain_cells, gain_summary
+
+    seeds, rl, sft = paired(family, policy, SFT)
+    return gain_cells(gain_summary([(s, (b.correct / b.samples).tolist(), (a.correct / a.samples).tolist())
+                                    for s, a, b in zip(seeds, rl, sft)]))
+
+
+def regenerate_tables(name: str, root: Path = RESULTS_DIR) -> Path:
+    """Rewrite what the code generates in record `name` from its committed per-question file alone: the protocol's
+    tables, and the gain cells of each family's descriptive table. Everything else (figures, commit, date,
+    conditions, the runs' steps) stays as the run wrote it: the record is history, its rendering follows the code."""
+    from bench.learning_protocol import design_for, protocol_tables
+    from bench.learning_questions import read_per_question
+    from stages.core.atomic import write_text
+
+    path = root / f"{name}.json"
+    record = json.loads(path.read_text())
+    per_question = read_per_question(name)
+    record["tables"].update(protocol_tables(per_question, design_for(record["conditions"]["split"])))
+    for family_name, family in per_question.items():
+        table = record["tables"].get(family_name)
+        if table is None:
+            continue
+        policy_col = table["columns"].index("policy")
+        for row in table["rows"]:
+            policy = row[policy_col].split(" (")[0]
+            if policy.lower() == "sft":
+                continue
+            for column, cell in descriptive_gain_cells(family, policy).items():
+                row[table["columns"].index(column)] = cell
+    write_text(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return path

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench import learning_stats as st
+from bench.learning_jobs import Job
 from stages.core.config.eval import HeldoutSection
 from stages.core.env import PROJECT_ROOT
 from stages.heldout import summarize_verdicts
@@ -56,15 +58,17 @@ def test_the_design_pairs_sft_seeds_with_runs_and_adds_the_lr_zero_control() -> 
     args = bench.parse_args(["--backend", "transformers", "--families", "arith", "--seeds", "0,1",
                              "--algos", "grpo,arpo", "--no-sft-steps"])
     jobs, baselines = bench.job_lists(args, ["arith"])
-    assert jobs == ["arith/sft:0", "arith/sft:1", "arith/grpo:0", "arith/arpo:0", "arith/grpo:1", "arith/arpo:1",
-                    "arith/control:0"] and baselines == []
+    assert list(map(str, jobs)) == ["arith/sft:0", "arith/sft:1", "arith/grpo:0", "arith/arpo:0", "arith/grpo:1",
+                                    "arith/arpo:1", "arith/control:0"] and baselines == []
     control = bench.load(args, "arith", "control")
     assert control.rl.algorithm == "grpo" and control.rl.optim.lr == 0
     assert bench.load(args, "arith", "arpo").rl.optim.lr > 0
 
 
 def test_results_live_apart_per_split_and_tag_with_sft_shared_by_tags(tmp_path: Path) -> None:
-    path = bench.result_path
+    def path(root: Path, job: str, *rest) -> Path:
+        return bench.result_path(root, Job.parse(job), *rest)
+
     assert path(tmp_path, "arith/grpo:1") == tmp_path / "results" / "arith" / "grpo-s1.json"
     assert path(tmp_path, "arith/grpo:1", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid@lr1e-5/grpo-s1.json"
     assert path(tmp_path, "arith/sft:0", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid/sft-s0.json"
@@ -74,33 +78,33 @@ def test_results_live_apart_per_split_and_tag_with_sft_shared_by_tags(tmp_path: 
     changes = bench.parse_args(["-o", "sft.max_steps=48", "-o", "rl.optim.lr=1e-5"])
     assert bench.changes_sft(changes) and not bench.changes_sft(bench.parse_args(["-o", "rl.optim.lr=1e-5"]))
     assert bench.job_lists(bench.parse_args(["--algos", "", "--seeds", "0", "--control-seeds", ""]),
-                           ["arith"])[0] == ["arith/sft:0"]
+                           ["arith"])[0] == [Job("arith", "sft", 0)]
 
 
 def test_two_level_interval_holds_the_seed_spread() -> None:
     # same questions: a perfect vs a useless algorithm, every seed alike -> every draw gives +1
-    assert report.two_level_diff(np.ones((5, 3)), np.zeros((5, 2))) == pytest.approx((1.0, 1.0, 1.0))
+    assert st.unpaired_two_level_diff(np.ones((5, 3)), np.zeros((5, 2))) == pytest.approx((1.0, 1.0, 1.0))
     # a: seed 0 right everywhere, seed 1 wrong everywhere; b: 0.5 everywhere. Mean difference 0; a draw of a's
     # seeds is {0,0} (+0.5), {1,1} (-0.5) or mixed (0), each extreme with probability 1/4 -> interval [-0.5, 0.5]
     a = np.array([[1.0, 0.0]] * 4)
-    diff, low, high = report.two_level_diff(a, np.full((4, 2), 0.5))
+    diff, low, high = st.unpaired_two_level_diff(a, np.full((4, 2), 0.5))
     assert diff == pytest.approx(0.0) and low == pytest.approx(-0.5) and high == pytest.approx(0.5)
     with pytest.raises(ValueError, match="same questions"):
-        report.two_level_diff(np.ones((3, 2)), np.ones((4, 2)))
+        st.unpaired_two_level_diff(np.ones((3, 2)), np.ones((4, 2)))
 
 
 def test_paired_gain_is_exact_when_every_question_moves_the_same_way() -> None:
     # every question gains exactly 0.5: each bootstrap mean is 0.5, so the interval collapses to it
-    assert report.paired_gain([0.0, 0.5, 0.25], [0.5, 1.0, 0.75]) == pytest.approx((0.5, 0.5, 0.5))
+    assert st.paired_gain([0.0, 0.5, 0.25], [0.5, 1.0, 0.75]) == pytest.approx((0.5, 0.5, 0.5))
 
 
 def test_paired_gain_interval_covers_the_mean_and_rejects_mismatched_questions() -> None:
     sft = [0, 0, 1, 1, 0, 1, 0, 0]
     rl = [1, 0, 1, 1, 1, 1, 0, 1]   # 3 questions gained, none lost: mean gain 3/8
-    mean, low, high = report.paired_gain(sft, rl, samples=4000)
+    mean, low, high = st.paired_gain(sft, rl, samples=4000)
     assert mean == pytest.approx(0.375) and 0.0 <= low < mean < high <= 0.875
     with pytest.raises(ValueError, match="same questions"):
-        report.paired_gain([1, 0], [1])
+        st.paired_gain([1, 0], [1])
 
 
 def test_spread_and_early_late() -> None:
