@@ -257,3 +257,48 @@ def test_a_run_is_paired_with_the_sft_evaluation_of_its_own_sampling_seed() -> N
     assert summary["mean_gain"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
     unpaired = report.algorithm_summary([control], {k: v for k, v in sft.items() if k != "correct_Q_by_seed"})
     assert unpaired["gain"]["mean"] == pytest.approx(-0.375)
+
+
+# ---- issue 54: jobs as values, the format-only arm, content counts, no copy of the trainer's batch loop --------
+def test_a_job_has_one_text_form_read_back_in_one_place() -> None:
+    job = Job.parse("arith/format:3")
+    assert job == Job("arith", "format", 3) and str(job) == "arith/format:3" and job.run == "format:3"
+    assert job.trains and not Job("arith", "sftsteps", 0).trains and job.log_name("v2") == "arith-format-s3@v2"
+    for bad in ("arith/grpo", "grpo:0", "arith/grpo:x", "/grpo:0"):
+        with pytest.raises(ValueError, match="<family>/<kind>:<seed>"):
+            Job.parse(bad)
+
+
+def test_the_format_only_arm_is_grpo_under_the_format_reward() -> None:
+    args = bench.parse_args(["--backend", "transformers", "--families", "arith", "--seeds", "0", "--algos", "grpo",
+                             "--control-seeds", "", "--format-seeds", "0,1", "--no-sft-steps"])
+    jobs, _ = bench.job_lists(args, ["arith"])
+    assert list(map(str, jobs)) == ["arith/sft:0", "arith/grpo:0", "arith/format:0", "arith/format:1"]
+    arm, task = bench.load(args, "arith", "format"), bench.load(args, "arith", "grpo")
+    assert (arm.rl.algorithm, arm.rl.trainer.reward) == ("grpo", "format_only")
+    assert task.rl.trainer.reward != "format_only" and arm.rl.optim.lr == task.rl.optim.lr
+    assert bench.result_path(Path("/r"), Job("arith", "format", 1), "v2") == Path("/r/results/arith@v2/format-s1.json")
+
+
+def test_a_questions_content_count_grades_every_response_wherever_it_answers() -> None:
+    # "What is 347 * 812?" (281764): an unclosed answer (right), a missing EOS (the first answer right), a wrong one
+    right = "<think>347 * 812</think><python>print(347 * 812)</python> <result>\n281764\n</result>"
+    prediction = {"answer": "281764", "ability": "math", "responses": [
+        right + "<answer>\\boxed{281764}", right + "<answer>\\boxed{281764}</answer><answer>\\boxed{1}</answer>",
+        right + "<answer>\\boxed{281765}</answer>"]}
+    assert bench.content_count(prediction) == 2
+
+
+def test_the_sft_baseline_takes_each_steps_prompts_from_the_trainers_own_function() -> None:
+    import ast
+
+    from stages.rl.trainer import epoch_order, step_batch
+
+    # 10 rows, 3 per step: 3 steps per epoch; steps 0-2 are the first 9 of epoch 0's order, step 3 starts epoch 1
+    per_epoch, order = 3, epoch_order(10, 7, 0)
+    assert [step_batch(10, 7, s, per_epoch, 3)[0] for s in range(3)] == [order[0:3], order[3:6], order[6:9]]
+    assert step_batch(10, 7, 3, per_epoch, 3) == (epoch_order(10, 7, 1)[0:3], 1, 0)
+    # bench/learning_baseline.py calls it (the trainer's batch_rows does too): no copy of the loop to drift apart
+    tree = ast.parse((BENCH / "learning_baseline.py").read_text())
+    called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert "step_batch" in called and "epoch_order" not in called and "divmod" not in called
