@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -261,61 +260,6 @@ def content_count(prediction: dict) -> int:
     return sum(content_correct(response, prediction["answer"], task_type) for response in prediction["responses"])
 
 
-# ---- the pool of workers (main process) ------------------------------------------------------------------------
-def run_pool(args: argparse.Namespace, jobs: list[Job], root: Path) -> dict:
-    """Each job in its own process, `args.jobs` at a time; wall, CPU (os.wait4) and load average per attempt."""
-    attempts: dict[Job, list[dict]] = {job: [] for job in jobs}
-    pending, running = list(jobs), {}
-    loads: list[float] = []
-    (root / "logs").mkdir(parents=True, exist_ok=True)
-    try:
-        _pool_loop(args, root, attempts, pending, running, loads)
-    except BaseException:  # interrupted: no worker outlives the pool (each resumes from its checkpoint next time)
-        for proc, *_ in running.values():
-            proc.terminate()
-        for proc, *_ in running.values():
-            proc.wait()
-        raise
-    return {"attempts": attempts, "mean_load": sum(loads) / len(loads) if loads else os.getloadavg()[0]}
-
-
-def _pool_loop(args: argparse.Namespace, root: Path, attempts: dict[Job, list[dict]], pending: list[Job],
-               running: dict, loads: list[float]) -> None:
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            job = pending.pop(0)
-            cmd = [args.python, __file__, *sys.argv[1:], "--worker", str(job)]
-            log = open(root / "logs" / f"{job.log_name(args.tag)}.log", "a")  # noqa: SIM115
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT),
-                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-            running[job] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time(), log,
-                            os.getloadavg()[0])
-            print(f"[{time.strftime('%H:%M:%S')}] started {job}", flush=True)
-        time.sleep(5)
-        loads.append(os.getloadavg()[0])
-        for job, (proc, started, log, load0) in list(running.items()):
-            timed_out = time.time() - started > args.run_timeout
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # not Popen.poll: wait4 also gives the CPU time
-            if pid == 0:
-                if timed_out:
-                    proc.terminate()  # reaped on the next pass; the run resumes from its checkpoint next time
-                continue
-            log.close()
-            del running[job]
-            record = {"job": str(job), "tag": args.tag, "split": args.split, "wall_s": time.time() - started,
-                      "cpu_s": usage.ru_utime + usage.ru_stime,
-                      "exit": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
-                      "load_start": load0, "load_end": os.getloadavg()[0]}
-            attempts[job].append(record)
-            if timed_out and len(attempts[job]) <= args.retries:
-                pending.append(job)
-            with open(root / "attempts.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-            print(f"[{time.strftime('%H:%M:%S')}] {job}: exit {record['exit']}{' (timed out)' if timed_out else ''}"
-                  f", {record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU", flush=True)
-
-
 def prepare_families(args: argparse.Namespace, root: Path, families: list[str], build: bool = True) -> dict[str, dict]:
     """Data and SFT of every family in this process (LLaMA-Factory lives in the main environment), timed once.
     `build` False (every run is done: a report): nothing is built, so a report from a later commit, whose code
@@ -353,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from learning_record import build_record, pinned_commit, record_invocation
 
+    from bench.learning_pool import run_pool, worker_env
     from bench.results import commit_state, write_result
 
     root = Path(args.root).resolve()
@@ -375,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _interrupt)
     try:
         sft_times = prepare_families(args, root, families, build=bool(todo))
-        pool = run_pool(args, todo, root) if todo else {"attempts": {}, "mean_load": os.getloadavg()[0]}
+        pool = run_pool(args, todo, root, [args.python, __file__, *sys.argv[1:]], worker_env(PROJECT_ROOT)) if todo \
+            else {"attempts": {}, "mean_load": os.getloadavg()[0]}
     except KeyboardInterrupt:  # its wall time and commit count toward the design (the pin, the bench's total)
         record_invocation(root, args, time.time() - start, ran=bool(todo), commit=provenance[0], interrupted=True)
         raise SystemExit("interrupted: finished runs are kept, a cut run resumes from its checkpoint; rerun the same "
