@@ -14,15 +14,18 @@ policy's own samples brings happen in both arms; only the task reward can teach 
 The pilot on `rl_valid` chooses the setting by a rule written before it runs (`choose_setting`).
 
     .venv/bin/python -m bench.learning_protocol <record>   # prints these tables beside v1's when the runs have content
+    .venv/bin/python -m bench.learning_content learning-valid-v2-b8-lr1e-5 learning-valid-v2-b8-lr3e-5  # the choice
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from bench import learning_stats as st
-from bench.learning_questions import SFT, Family, paired, policies, rate_SQ, runs_of
+from bench.learning_questions import SFT, Family, paired, policies, rate_SQ, read_per_question, runs_of
 
 FORMAT_ARM = "format"       # the baseline algorithm under rl.trainer.reward=format_only
 PRIMARY, SECONDARY, EXPLORATORY = "primary", "secondary", "exploratory"
@@ -165,3 +168,32 @@ def pilot_setting(name: str, steps_table: dict[str, Any], family: Family, baseli
     sd = float(d.mean(axis=1).std(ddof=1)) if d.shape[0] > 1 else float("inf")
     runs = sum(1 for run in family.runs.values() if run.policy != SFT)
     return PilotSetting(name, runs, len(collapsed_runs(steps_table, family)), clip_active(steps_table), sd)
+
+
+def pilot_settings(records: list[str], family: str = "arith", baseline: str = "grpo") -> list[PilotSetting]:
+    """The pilot's settings from their records (bench/results/<record>.json and its per-question file)."""
+    from bench.results import RESULTS_DIR
+
+    out = []
+    for name in records:
+        record = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+        out.append(pilot_setting(name, record["tables"][f"{family}-steps"], read_per_question(name)[family], baseline))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="protocol v2's pilot: the setting its rule chooses")
+    parser.add_argument("records", nargs="+", help="the pilot's records, e.g. learning-valid-v2-b8-lr1e-5")
+    parser.add_argument("--family", default="arith")
+    args = parser.parse_args(argv)
+    settings = pilot_settings(args.records, args.family)
+    for s in settings:
+        print(f"{s.name}: {s.runs} runs, {s.collapsed} collapsed, clip fraction "
+              f"{'above zero' if s.clip_active else 'at zero'}, per-seed sd of the primary {s.content_sd:.4f}")
+    chosen = choose_setting(settings)
+    print(f"chosen: {chosen.name}" if chosen else "no setting qualifies: no confirmatory run (docs/learning.md)")
+    return 0 if chosen else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

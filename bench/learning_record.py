@@ -112,7 +112,8 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
             "details": "learning.md",
             "conditions": merged_conditions(old.get("conditions", {}), list(results), {
                 "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
-                "control_seeds": [s for s in args.control_seeds.split(",") if s], "split": args.split,
+                "control_seeds": [s for s in args.control_seeds.split(",") if s],
+                "format_seeds": [s for s in getattr(args, "format_seeds", "").split(",") if s], "split": args.split,
                 "steps": args.steps, "questions": args.questions, "samples": args.samples,
                 "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs, "tag": args.tag,
                 "overrides": args.override}, f"bench/results/per-question/{name}.json"),

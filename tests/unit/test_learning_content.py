@@ -97,3 +97,21 @@ def test_a_collapse_is_an_alarm_in_training_or_content_below_sfts_on_its_seed(tm
     # d per seed 0.25, 0.25, 0.25, 0.75: sd sqrt((3 x 0.125^2 + 0.375^2) / 3) = 0.25
     assert (pilot.runs, pilot.collapsed, pilot.clip_active) == (8, 2, True)
     assert pilot.content_sd == pytest.approx(0.25)
+
+
+def test_the_pilot_cli_reads_records_and_prints_the_choice(tmp_path: Path, monkeypatch, capsys) -> None:
+    import json
+
+    import bench.results
+
+    f = family(tmp_path)  # its per-question file: tmp_path/learning-valid-v2.json
+    steps = {"columns": ["algorithm", "seed", "step", "clip frac", "alarms"], "rows": [["grpo", 0, 1, 0.01, ""]]}
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "learning-valid-v2.json").write_text(json.dumps({"tables": {"arith-steps": steps}}))
+    monkeypatch.setattr(bench.results, "RESULTS_DIR", tmp_path / "records")
+    monkeypatch.setattr(lc, "read_per_question", lambda name: lq.read_per_question(name, tmp_path))
+    assert lc.main(["learning-valid-v2"]) == 0
+    out = capsys.readouterr().out
+    # no alarm, no run below SFT, the clip fraction above zero in 1 of 1 steps; sd 0.125 (the primary's fixture)
+    assert "learning-valid-v2: 8 runs, 0 collapsed, clip fraction above zero, per-seed sd of the primary 0.1250" in out
+    assert out.strip().endswith("chosen: learning-valid-v2") and lc.has_content(f)
