@@ -8,7 +8,7 @@ format-only arm, `--format-seeds`).
     .venv/bin/python bench/bench_learning.py --families arith --seeds 0 --algos grpo --steps 1 \
         --questions 8 --root /tmp/x --allow-dirty                   # smoke
 
-Task families (settings: bench/learning.yaml, then bench/learning-<family>.yaml, over the tiny-cpu profile;
+Task families (settings: bench/learning-<family>.yaml, which extends bench/learning.yaml, which extends tiny-cpu;
 SmolLM2-135M-Instruct): `arith` (products of two 3-digit numbers, one <python> call) and `chain` (a search over
 the generated corpus, then python on the year it returned: two dependent calls). Per family the SFT policy is
 trained once (LLaMA-Factory, cached); every (algorithm, seed) run trains from it with the same rollout budget, and
@@ -107,35 +107,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def overlay(family: str) -> dict:
-    """bench/learning.yaml deep-merged with bench/learning-<family>.yaml (what load() puts over tiny-cpu)."""
-    from stages.core.config.loader import deep_merge, read_yaml
-
-    path = BENCH / f"learning-{family}.yaml"
-    if not path.is_file():
-        raise SystemExit(f"unknown task family {family!r}: no {path}; families: {', '.join(FAMILIES)}")
-    return deep_merge(read_yaml(BENCH / "learning.yaml"), read_yaml(path))
-
-
 def load(args: argparse.Namespace, family: str, algo: str = BASELINE):
     """The family's config for one run; `algo` may be an arm (learning_jobs.ARMS: the baseline algorithm with the
     arm's overrides) or SFT's job."""
-    import tempfile
-
-    import yaml
-
     from stages.core.config.loader import load_config
 
+    path = BENCH / f"learning-{family}.yaml"   # extends bench/learning.yaml, which extends tiny-cpu
+    if not path.is_file():
+        raise SystemExit(f"unknown task family {family!r}: no {path}; families: {', '.join(FAMILIES)}")
     steps = [f"rl.trainer.total_steps={args.steps}"] if args.steps else []
-    backend = [f"rl.rollout.backend={args.backend}"]
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
-        yaml.safe_dump(overlay(family), handle)
-    try:
-        arm = arm_overrides(algo)
-        return load_config("tiny-cpu", [*backend, *args.override, *steps, *arm,
-                                        f"rl.algorithm={algorithm_of(algo, BASELINE)}"], extra_file=handle.name)
-    finally:
-        os.unlink(handle.name)
+    return load_config(str(path), [f"rl.rollout.backend={args.backend}", *args.override, *steps,
+                                   *arm_overrides(algo), f"rl.algorithm={algorithm_of(algo, BASELINE)}"])
 
 
 def heldout_spec(args: argparse.Namespace, cfg, seed: int):
