@@ -214,6 +214,7 @@ def evaluate(args: argparse.Namespace, job: Job, cfg, data, sft) -> None:
         alarms = read_jsonl(stage / "alarms.jsonl") if (stage / "alarms.jsonl").is_file() else []
     scores = evaluate_heldout(heldout_spec(args, cfg, job.seed), cfg.agent, policy, data, root, cache)
     predictions = read_jsonl(Path(scores.path).with_name("predictions.jsonl"))
+    content = [content_verdicts(p) for p in predictions]  # per answer, for the record's archive too
     rl_s = out_path(args, job).with_suffix(".rl_s")
     write_json(out_path(args, job), {
         "job": str(job), "tag": args.tag, "family": job.family, "algorithm": job.kind, "seed": job.seed,
@@ -225,7 +226,8 @@ def evaluate(args: argparse.Namespace, job: Job, cfg, data, sft) -> None:
         "correct_count_Q": [sum(p["correct"]) for p in predictions],
         "formed_count_Q": [sum(p["format_ok"]) for p in predictions],
         "calls_Q": [sum(p["tool_calls"]) for p in predictions],
-        "content_count_Q": [content_count(p) for p in predictions],
+        "content_QN": content,
+        "content_count_Q": [sum(c) for c in content],
         "questions": [p["question"] for p in predictions],
         "rl_seconds_last_attempt": float(rl_s.read_text()) if rl_s.is_file() else None,
         "advantage_signs": signs, "policy": policy.path})
@@ -233,13 +235,13 @@ def evaluate(args: argparse.Namespace, job: Job, cfg, data, sft) -> None:
         (Path(policy.path) / "optimizer.pt").unlink(missing_ok=True)
 
 
-def content_count(prediction: dict) -> int:
-    """A held-out question's answers right wherever the response gives one (stages/eval/content.py: the eval stage's
-    grader, the task type from the row's ability)."""
+def content_verdicts(prediction: dict) -> list[bool]:
+    """Per answer of a held-out question: is it right wherever the response gives it (stages/eval/content.py: the
+    eval stage's grader, the task type from the row's ability)?"""
     from stages.eval.content import content_correct
 
     task_type = "math" if prediction.get("ability") == "math" else "qa"
-    return sum(content_correct(response, prediction["answer"], task_type) for response in prediction["responses"])
+    return [content_correct(response, prediction["answer"], task_type) for response in prediction["responses"]]
 
 
 def prepare_families(args: argparse.Namespace, root: Path, families: list[str], build: bool = True) -> dict[str, dict]:

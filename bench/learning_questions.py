@@ -213,7 +213,8 @@ def headline_figures(per_question: dict[str, Family], digits: int = HEADLINE_DIG
 def provenance_problems(record_path: Path, per_question_root: Path = PER_QUESTION_DIR,
                         repo: Path = PROJECT_ROOT) -> list[str]:
     """What makes a learning record unverifiable: a commit git does not know, uncommitted changes, no per-question
-    file, or headline figures the per-question file does not reproduce (to HEADLINE_DIGITS decimals)."""
+    file, headline figures the per-question file does not reproduce (to HEADLINE_DIGITS decimals), or archived
+    predictions that are missing, altered or do not sum to its counts (bench/learning_archive.py)."""
     record_path = Path(record_path)
     record, name = json.loads(record_path.read_text()), record_path.stem
     problems = []
@@ -229,6 +230,9 @@ def provenance_problems(record_path: Path, per_question_root: Path = PER_QUESTIO
         per_question = read_per_question(name, per_question_root)
     except (FileNotFoundError, ValueError, KeyError) as err:
         return [*problems, f"{name}: {err}"]
+    from bench.learning_archive import archive_problems
+
+    problems += archive_problems(name, record, per_question, repo)
     stored, tolerance = record.get("figures", {}), 0.5 * 10**-HEADLINE_DIGITS + 1e-12
     for key, value in headline_figures(per_question).items():
         if key not in stored:

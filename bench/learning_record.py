@@ -58,6 +58,13 @@ def invocations(root: Path, name: str) -> list[dict[str, Any]]:
     return [line for line in lines if line["record"] == name]
 
 
+def attempts_of(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The attempts (root/attempts.jsonl) of this record's tag and split."""
+    path = root / "attempts.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [a for a in lines if a.get("tag", "") == args.tag and a.get("split", "eval_test") == args.split]
+
+
 def bench_wall_min(root: Path, name: str) -> float:
     """Minutes of wall time of every invocation that ran runs of record `name` (reports alone add nothing)."""
     return round(sum(line["wall_s"] for line in invocations(root, name) if line["ran_runs"]) / 60, 1)
@@ -76,10 +83,12 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
     """Write the per-question file of record `record_name(args)` and return the record's write_result arguments
     (name, figures, summary, what, details, conditions, tables); families run earlier into the same record are kept.
     results: per family, every run's results file by run id (`grpo:0`); summaries: per family, learning_report's.
+    Every run's held-out answers and the invocation and attempt logs are committed beside it (bench/learning_archive.py).
     Headline figures and the protocol's tables are computed from the per-question file as written, so the record and
     a recomputation from the repository agree (tests/unit/test_learning_provenance.py)."""
     from learning_report import step_table
 
+    from bench.learning_archive import write_archive, write_logs
     from bench.learning_protocol import design_for, protocol_tables
     from bench.learning_questions import family_payload, headline_figures, read_per_question, write_per_question
 
@@ -94,6 +103,8 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
             tables[f"{family}-steps-vs-sft"] = summary["steps_vs_sft"]
         tables[f"{family}-steps"] = step_table([r for r in runs.values() if r["algorithm"] != "sft"])
     write_per_question(name, {family: family_payload(list(runs.values())) for family, runs in results.items()})
+    archived = {family: write_archive(name, family, list(runs.values())) for family, runs in results.items()}
+    logs = write_logs(name, invocations(root, name), attempts_of(root, args))
     per_question = read_per_question(name)
     figures: dict[str, Any] = headline_figures(per_question)
     tables.update(protocol_tables(per_question, design_for(args.split)))
@@ -110,13 +121,14 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
             "what": "does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, the protocol's "
                     "endpoints" + (f"; variant {args.tag}" if args.tag else ""),
             "details": "learning.md",
-            "conditions": merged_conditions(old.get("conditions", {}), list(results), {
+            "conditions": {**merged_conditions(old.get("conditions", {}), list(results), {
                 "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
                 "control_seeds": [s for s in args.control_seeds.split(",") if s],
                 "format_seeds": [s for s in getattr(args, "format_seeds", "").split(",") if s], "split": args.split,
                 "steps": args.steps, "questions": args.questions, "samples": args.samples,
                 "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs, "tag": args.tag,
                 "overrides": args.override}, f"bench/results/per-question/{name}.json"),
+                "predictions": {**old.get("conditions", {}).get("predictions", {}), **archived}, "logs": logs},
             "tables": tables}
 
 

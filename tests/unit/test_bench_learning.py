@@ -280,13 +280,13 @@ def test_the_format_only_arm_is_grpo_under_the_format_reward() -> None:
     assert bench.result_path(Path("/r"), Job("arith", "format", 1), "v2") == Path("/r/results/arith@v2/format-s1.json")
 
 
-def test_a_questions_content_count_grades_every_response_wherever_it_answers() -> None:
+def test_a_questions_content_verdicts_grade_every_response_wherever_it_answers() -> None:
     # "What is 347 * 812?" (281764): an unclosed answer (right), a missing EOS (the first answer right), a wrong one
     right = "<think>347 * 812</think><python>print(347 * 812)</python> <result>\n281764\n</result>"
     prediction = {"answer": "281764", "ability": "math", "responses": [
         right + "<answer>\\boxed{281764}", right + "<answer>\\boxed{281764}</answer><answer>\\boxed{1}</answer>",
         right + "<answer>\\boxed{281765}</answer>"]}
-    assert bench.content_count(prediction) == 2
+    assert bench.content_verdicts(prediction) == [True, True, False]
 
 
 def test_the_sft_baseline_takes_each_steps_prompts_from_the_trainers_own_function() -> None:
