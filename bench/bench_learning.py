@@ -198,6 +198,7 @@ def evaluate(args: argparse.Namespace, job: Job, cfg, data, sft) -> None:
     endpoints; content: stages/eval/content.py, the eval stage's grader)."""
     from learning_report import advantage_sign_agreement
 
+    from bench.learning_archive import reload_check
     from bench.results import commit_state
     from stages.core.atomic import read_jsonl, write_json
     from stages.heldout import evaluate_heldout
@@ -215,6 +216,7 @@ def evaluate(args: argparse.Namespace, job: Job, cfg, data, sft) -> None:
     scores = evaluate_heldout(heldout_spec(args, cfg, job.seed), cfg.agent, policy, data, root, cache)
     predictions = read_jsonl(Path(scores.path).with_name("predictions.jsonl"))
     content = [content_verdicts(p) for p in predictions]  # per answer, for the record's archive too
+    reload = reload_check(policy) if job.trains else None  # the trainer's last step vs the policy as reloaded
     rl_s = out_path(args, job).with_suffix(".rl_s")
     write_json(out_path(args, job), {
         "job": str(job), "tag": args.tag, "family": job.family, "algorithm": job.kind, "seed": job.seed,
@@ -226,7 +228,7 @@ def evaluate(args: argparse.Namespace, job: Job, cfg, data, sft) -> None:
         "correct_count_Q": [sum(p["correct"]) for p in predictions],
         "formed_count_Q": [sum(p["format_ok"]) for p in predictions],
         "calls_Q": [sum(p["tool_calls"]) for p in predictions],
-        "content_QN": content,
+        "content_QN": content, "reload_check": reload,
         "content_count_Q": [sum(c) for c in content],
         "questions": [p["question"] for p in predictions],
         "rl_seconds_last_attempt": float(rl_s.read_text()) if rl_s.is_file() else None,

@@ -9,6 +9,10 @@ compressed, and the invocation and attempt logs of the runs.
   `regrade` grades the responses again with the eval stage's code.
 - `bench/results/logs/<record>.jsonl`: the bench's invocations (wall time, commit) and its runs' attempts (exit, wall
   and CPU time, timeouts) that made the record.
+- Per RL run, `reload_check`: the trainer's log-probs on the fixed parity probe at its last step (probe.json, written
+  with the final checkpoint: stages/rl/probe.py) against the policy reloaded from its files as the evaluation loads
+  it. The lr = 0 control proves the evaluation deterministic; it cannot catch a save/reload bug in weights that did
+  change (a tied LM head saved or loaded wrong), which moves these numbers.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from bench.results import PROJECT_ROOT, RESULTS_DIR
 
 ARCHIVE_DIR = RESULTS_DIR / "predictions"
 LOG_DIR = RESULTS_DIR / "logs"
+RELOAD_ATOL = 1e-4  # the merge stage's parity tolerance (rl.merge.parity_atol): fp32 on one device agrees far closer
 
 
 def archive_lines(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -111,3 +116,30 @@ def write_logs(name: str, invocations: list[dict[str, Any]], attempts: list[dict
 def _relative(path: Path) -> str:
     path = Path(path).resolve()
     return str(path.relative_to(PROJECT_ROOT)) if path.is_relative_to(PROJECT_ROOT) else str(path)
+
+
+def reload_check(policy: Any) -> dict[str, Any]:
+    """{max_abs_diff, ok}: the largest |log p trainer - log p reloaded| over the probe's tokens, and whether it is
+    within RELOAD_ATOL. `policy`: the run's CheckpointRef (the trainer's final folder, with probe.json)."""
+    import torch
+
+    from stages.generation.models import load_policy
+    from stages.rl.probe import max_abs_diff, probe_logprobs, read_probe
+
+    probe = read_probe(Path(policy.path))
+    model = load_policy(policy, torch.float32).eval()
+    diff = max_abs_diff(probe["logprobs"], probe_logprobs(model, probe["sequences"]))
+    return {"max_abs_diff": diff, "ok": diff <= RELOAD_ATOL}
+
+
+def reload_table(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record's table of every RL run's reload check (runs from before the check: "not measured")."""
+    rows = []
+    for r in results:
+        check = r.get("reload_check")
+        if r["algorithm"] == "sft":
+            continue
+        rows.append([run_id(r), "not measured" if check is None else f"{check['max_abs_diff']:.2e}",
+                     "" if check is None else "ok" if check["ok"] else
+                     f"over {RELOAD_ATOL:g}: the evaluated policy is not the trained one"])
+    return {"columns": ["run", "max |log p trainer - log p reloaded| on the probe", "verdict"], "rows": rows}

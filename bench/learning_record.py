@@ -88,7 +88,7 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
     a recomputation from the repository agree (tests/unit/test_learning_provenance.py)."""
     from learning_report import step_table
 
-    from bench.learning_archive import write_archive, write_logs
+    from bench.learning_archive import reload_table, write_archive, write_logs
     from bench.learning_protocol import design_for, protocol_tables
     from bench.learning_questions import family_payload, headline_figures, read_per_question, write_per_question
 
@@ -102,6 +102,7 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
         if summary.get("steps_vs_sft", {}).get("rows"):
             tables[f"{family}-steps-vs-sft"] = summary["steps_vs_sft"]
         tables[f"{family}-steps"] = step_table([r for r in runs.values() if r["algorithm"] != "sft"])
+        tables[f"{family}-reload"] = reload_table(list(runs.values()))
     write_per_question(name, {family: family_payload(list(runs.values())) for family, runs in results.items()})
     archived = {family: write_archive(name, family, list(runs.values())) for family, runs in results.items()}
     logs = write_logs(name, invocations(root, name), attempts_of(root, args))

@@ -86,3 +86,42 @@ def test_the_logs_hold_the_invocations_then_the_attempts(tmp_path: Path) -> None
                          [{"job": "arith/grpo:0", "exit": 0, "cpu_s": 10.0}], root=tmp_path)
     lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
     assert [x["kind"] for x in lines] == ["invocation", "attempt"] and lines[1]["job"] == "arith/grpo:0"
+
+
+def _tiny_checkpoint(folder: Path):
+    """A 1-layer Llama with random weights saved as a trainer checkpoint folder (model/), and the model in memory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.core.refs import CheckpointRef
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    model.save_pretrained(folder / "model")
+    return model, CheckpointRef(path=str(folder), fingerprint="x", format="trainer")
+
+
+def test_the_reload_check_passes_a_faithful_save_and_names_one_that_lost_the_training(tmp_path: Path) -> None:
+    import torch
+
+    from stages.core.atomic import write_json
+    from stages.rl.probe import PROBE_FILE, probe_logprobs
+
+    sequences = [[1, 5, 9, 13, 2], [3, 4, 60, 7]]
+    model, policy = _tiny_checkpoint(tmp_path)
+    # the trainer's probe from the weights it saved: the reloaded policy gives the same log-probs (fp32, one device)
+    write_json(tmp_path / PROBE_FILE, {"sequences": sequences, "logprobs": probe_logprobs(model, sequences)})
+    check = la.reload_check(policy)
+    assert check["ok"] and check["max_abs_diff"] <= la.RELOAD_ATOL
+    # the trainer's last step moved the weights but the saved files kept the old ones (a tied head written before
+    # its update, say): the probe the trainer records differs from the reloaded policy's
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.5)
+    write_json(tmp_path / PROBE_FILE, {"sequences": sequences, "logprobs": probe_logprobs(model, sequences)})
+    check = la.reload_check(policy)
+    assert not check["ok"] and check["max_abs_diff"] > 100 * la.RELOAD_ATOL
+    table = la.reload_table([{"algorithm": "grpo", "seed": 0, "reload_check": check},
+                             {"algorithm": "sft", "seed": 0}, {"algorithm": "arpo", "seed": 1}])
+    assert [row[0] for row in table["rows"]] == ["grpo-s0", "arpo-s1"]
+    assert table["rows"][0][2].startswith("over 0.0001") and table["rows"][1][1:] == ["not measured", ""]
