@@ -109,8 +109,9 @@ def _holm(tests: dict[str, st.SeedTest], alpha: float) -> dict[str, st.HolmResul
 
 def primary_endpoints(name: str, family: Family, design: Design) -> list[dict[str, Any]]:
     """Per primary endpoint, decided by the seed-level paired t-test (Holm over the family's primaries when it is
-    the primary family): label, d, its test at the Holm-stepped level, adjusted p, rejection, MDE, seeds needed."""
-    confirmatory = name == design.primary_family
+    the primary family): label, d, its test at the Holm-stepped level, adjusted p, rejection, MDE, seeds needed.
+    Under protocol v2 (runs graded for content) v1's endpoints are exploratory: content accuracy is the primary."""
+    confirmatory = name == design.primary_family and not lc.has_content(family)
     diffs = {label: _diff(family, a, b) for label, a, b in primary_pairs(family, design)}
     adjusted = _holm({label: st.seed_t_test(d) for label, d in diffs.items()}, design.alpha) if confirmatory else {}
     out = []

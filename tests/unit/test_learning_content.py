@@ -115,3 +115,12 @@ def test_the_pilot_cli_reads_records_and_prints_the_choice(tmp_path: Path, monke
     # no alarm, no run below SFT, the clip fraction above zero in 1 of 1 steps; sd 0.125 (the primary's fixture)
     assert "learning-valid-v2: 8 runs, 0 collapsed, clip fraction above zero, per-seed sd of the primary 0.1250" in out
     assert out.strip().endswith("chosen: learning-valid-v2") and lc.has_content(f)
+
+
+def test_under_v2_the_format_strict_endpoints_are_exploratory(tmp_path: Path) -> None:
+    # the primary family's confirmatory design (eval_test), but the runs were graded for content: v1's E1 / E2 are
+    # read beside v2's primary, unadjusted, never as its claims
+    tables = lp.protocol_tables({"arith": family(tmp_path)}, lp.design_for("eval_test"))
+    assert all(row[6] == "unadjusted (exploratory)" and row[-1].endswith("(exploratory, unadjusted)")
+               for row in tables["arith-primary"]["rows"])
+    assert tables["arith-content"]["rows"][0][-1] == "shown"
