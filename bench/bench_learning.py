@@ -1,5 +1,6 @@
 """Does RL learn, does ARPO beat GRPO? GRPO vs ARPO vs AEPO from one shared SFT policy per task family, under the
-protocol written before the confirmatory run (docs/benchmarks.md, "Learning bench protocol").
+protocol written before the confirmatory run (docs/learning.md: v1 as run; v2 with content accuracy and the
+format-only arm, `--format-seeds`).
 
     .venv/bin/python bench/bench_learning.py                       # the confirmatory run (resumable: rerun it)
     .venv/bin/python bench/bench_learning.py --split rl_valid --families arith --algos grpo --seeds 0,1 \
@@ -7,7 +8,7 @@ protocol written before the confirmatory run (docs/benchmarks.md, "Learning benc
     .venv/bin/python bench/bench_learning.py --families arith --seeds 0 --algos grpo --steps 1 \
         --questions 8 --root /tmp/x --allow-dirty                   # smoke
 
-Task families (settings: bench/learning.yaml, then bench/learning-<family>.yaml, over the tiny-cpu profile;
+Task families (settings: bench/learning-<family>.yaml, which extends bench/learning.yaml, which extends tiny-cpu;
 SmolLM2-135M-Instruct): `arith` (products of two 3-digit numbers, one <python> call) and `chain` (a search over
 the generated corpus, then python on the year it returned: two dependent calls). Per family the SFT policy is
 trained once (LLaMA-Factory, cached); every (algorithm, seed) run trains from it with the same rollout budget, and
@@ -33,7 +34,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.learning_jobs import SFT, SFT_STEPS, Job, algorithm_of, arm_overrides, job_lists, result_path
 from stages.core.algorithm_spec import SPECS as ALGORITHM_SPECS
 from stages.core.env import PROJECT_ROOT, configure_environment
 
@@ -52,8 +53,6 @@ ALGOS = tuple(spec.name for spec in ALGORITHM_SPECS)   # the algorithm table, in
 BASELINE = next(spec.name for spec in ALGORITHM_SPECS if not spec.branches)  # independent samples: GRPO
 VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
 SPLITS = ("eval_test", "rl_valid")
-CONTROL = "control"  # the lr = 0 control: the baseline algorithm with rl.optim.lr=0
-SHARED_RUNS = ("sft", "sftsteps")  # the same for every tag: data, SFT and its evaluations
 STEP_KEYS = ("step", "reward/mean", "accuracy", "entropy/mean", "tools/calls_per_traj",
              "rollout/tool_calls_executed_per_traj", "rollout/branches_per_group", "rollout/fresh_per_group",
              "reward/groups_without_signal", "reward/format_error_rate", "advantage/mean_abs", "clip_fraction",
@@ -66,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--algos", default=",".join(ALGOS), help="RL algorithms; empty: SFT's evaluations only")
-    parser.add_argument("--seeds", default="0,1,2,3,4", help="the protocol's design: 5 seeds (docs/benchmarks.md)")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="the protocol's design: 5 seeds (docs/learning.md)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: learning.yaml)")
     parser.add_argument("--split", choices=SPLITS, default="eval_test",
                         help="where the policies are evaluated: eval_test (the held-out test split: the protocol's "
@@ -74,10 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--questions", type=int, default=None, help="the first N questions of the split (all)")
     parser.add_argument("--samples", type=int, default=1,
                         help="samples per question, for every policy; SFT is evaluated once per seed, with that "
-                             "seed as its sampling seed, as each RL run is (docs/benchmarks.md, the protocol)")
+                             "seed as its sampling seed, as each RL run is (docs/learning.md, the protocol)")
     parser.add_argument("--control-seeds", default="0",
                         help="seeds of the lr = 0 control (GRPO with rl.optim.lr=0 through the same RL -> save -> "
                              "reload -> evaluate path); empty: none")
+    parser.add_argument("--format-seeds", default="",
+                        help="seeds of the format-only arm (GRPO with rl.trainer.reward=format_only: the format "
+                             "score alone, no correctness; protocol v2, docs/learning.md); empty: none")
     parser.add_argument("--allow-dirty", action="store_true",
                         help="run on a checkout with uncommitted changes (its record then says so; the protocol's "
                              "records are made from a clean checkout)")
@@ -100,40 +102,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png-dir", default=None, help="also copy the plots here (e.g. docs/img)")
     parser.add_argument("--keep-optimizer", action="store_true", help="keep optimizer.pt of finished runs")
     parser.add_argument("-o", "--override", action="append", default=[], help="config override key.sub=value")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "<family>/sft" or "<family>/<algo>:<seed>"
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a job: "<family>/<kind>:<seed>"
     parser.add_argument("--eval-only", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def overlay(family: str) -> dict:
-    """bench/learning.yaml deep-merged with bench/learning-<family>.yaml (what load() puts over tiny-cpu)."""
-    from stages.core.config.loader import deep_merge, read_yaml
-
-    path = BENCH / f"learning-{family}.yaml"
-    if not path.is_file():
-        raise SystemExit(f"unknown task family {family!r}: no {path}; families: {', '.join(FAMILIES)}")
-    return deep_merge(read_yaml(BENCH / "learning.yaml"), read_yaml(path))
-
-
 def load(args: argparse.Namespace, family: str, algo: str = BASELINE):
-    """The family's config for one run; `algo` may be `control` (the baseline algorithm at lr 0) or `sft`."""
-    import tempfile
-
-    import yaml
-
+    """The family's config for one run; `algo` may be an arm (learning_jobs.ARMS: the baseline algorithm with the
+    arm's overrides) or SFT's job."""
     from stages.core.config.loader import load_config
 
+    path = BENCH / f"learning-{family}.yaml"   # extends bench/learning.yaml, which extends tiny-cpu
+    if not path.is_file():
+        raise SystemExit(f"unknown task family {family!r}: no {path}; families: {', '.join(FAMILIES)}")
     steps = [f"rl.trainer.total_steps={args.steps}"] if args.steps else []
-    backend = [f"rl.rollout.backend={args.backend}"]
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
-        yaml.safe_dump(overlay(family), handle)
-    try:
-        control = ["rl.optim.lr=0"] if algo == CONTROL else []
-        algorithm = BASELINE if algo in (CONTROL, *SHARED_RUNS) else algo
-        return load_config("tiny-cpu", [*backend, *args.override, *steps, *control, f"rl.algorithm={algorithm}"],
-                           extra_file=handle.name)
-    finally:
-        os.unlink(handle.name)
+    return load_config(str(path), [f"rl.rollout.backend={args.backend}", *args.override, *steps,
+                                   *arm_overrides(algo), f"rl.algorithm={algorithm_of(algo, BASELINE)}"])
 
 
 def heldout_spec(args: argparse.Namespace, cfg, seed: int):
@@ -159,28 +143,17 @@ def prepare(cfg, root: Path):
     return model, data, run_sft(cfg.sft, cfg.agent, model, data, str(root), cache)
 
 
-def result_path(root: Path, job: str, tag: str = "", split: str = "eval_test", own_sft: bool = False) -> Path:
-    """results/<family>[-valid][@<tag>]/<run>-s<seed>.json: SFT's files are shared by every tag that changes RL
-    settings only (`own_sft`: the tag changes SFT, data or the agent, so it has its own), the SFT policy's per-step
-    rewards (sftsteps, on training prompts) by both splits too."""
-    family, _, run = job.partition("/")
-    kind = run.partition(":")[0]
-    folder = family + ("-valid" if split == "rl_valid" and kind != "sftsteps" else "")
-    folder += f"@{tag}" if tag and (own_sft or kind not in SHARED_RUNS) else ""
-    return root / "results" / folder / f"{run.replace(':', '-s')}.json"
-
-
 def changes_sft(args: argparse.Namespace) -> bool:
     """Does an override reach what the SFT policy or its evaluation depends on (not the RL sections alone)?"""
     return any(o.partition("=")[0].split(".")[0] in ("sft", "data", "model", "agent") for o in args.override)
 
 
-def out_path(args: argparse.Namespace, job: str) -> Path:
+def out_path(args: argparse.Namespace, job: Job) -> Path:
     return result_path(Path(args.root), job, args.tag, args.split, changes_sft(args))
 
 
 # ---- one run (a worker process) ------------------------------------------------------------------------------
-def worker(args: argparse.Namespace, job: str) -> None:
+def worker(args: argparse.Namespace, job: Job) -> None:
     """RL (cached once done), then the held-out evaluation and the results file. With vLLM the evaluation runs in
     a fresh process image: a second in-process vLLM engine fails to start once the search tool has imported numba
     (vllm 0.32's kernel-override scan trips over llvmlite's wrappers), and the new image holds none of RL's memory."""
@@ -190,18 +163,16 @@ def worker(args: argparse.Namespace, job: str) -> None:
 
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the time limit: unwind so tools and caches close
-    family, _, run = job.partition("/")
-    algo, _, seed = run.partition(":")
-    cfg = load(args, family, algo)
+    cfg = load(args, job.family, job.kind)
     _, data, sft = prepare(cfg, Path(args.root))
-    if algo == "sftsteps":
+    if job.kind == SFT_STEPS:
         from bench.learning_baseline import sft_step_rewards
 
-        sft_step_rewards(cfg, sft, data, int(seed), out_path(args, job))
+        sft_step_rewards(cfg, sft, data, job.seed, out_path(args, job))
         return
-    if algo != "sft" and not args.eval_only:
+    if job.trains and not args.eval_only:
         start = time.perf_counter()
-        run_rl(cfg.rl, cfg.agent, sft, data, args.root, str(PROJECT_ROOT / ".cache"), seed=int(seed))
+        run_rl(cfg.rl, cfg.agent, sft, data, args.root, str(PROJECT_ROOT / ".cache"), seed=job.seed)
         out_path(args, job).parent.mkdir(parents=True, exist_ok=True)
         out_path(args, job).with_suffix(".rl_s").write_text(str(time.perf_counter() - start))
     if args.backend == "vllm" and not args.eval_only:
@@ -221,32 +192,35 @@ def hand_over_to_evaluation() -> None:
     os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:], "--eval-only"])
 
 
-def evaluate(args: argparse.Namespace, job: str, cfg, data, sft) -> None:
+def evaluate(args: argparse.Namespace, job: Job, cfg, data, sft) -> None:
     """Evaluate one run's policy (SFT's for `sft:<seed>`) with its seed as the sampling seed; write its results file:
-    per question the correct and well-formed sample counts and the tool calls (the protocol's endpoints)."""
+    per question the correct, well-formed and content-correct sample counts and the tool calls (the protocols'
+    endpoints; content: stages/eval/content.py, the eval stage's grader)."""
     from learning_report import advantage_sign_agreement
 
+    from bench.learning_archive import reload_check
     from bench.results import commit_state
     from stages.core.atomic import read_jsonl, write_json
     from stages.heldout import evaluate_heldout
     from stages.rl.stage import run_rl
 
     root, cache = Path(args.root), str(PROJECT_ROOT / ".cache")
-    family, _, run = job.partition("/")
-    algo, _, seed = run.partition(":")
     policy, rows, signs, alarms = sft, [], {}, []
-    if algo != "sft":
-        policy = run_rl(cfg.rl, cfg.agent, sft, data, root, cache, seed=int(seed))  # done: the stage's marker
+    if job.trains:
+        policy = run_rl(cfg.rl, cfg.agent, sft, data, root, cache, seed=job.seed)  # done: the stage's marker
         stage = Path(policy.path).parents[1]
         rows = [{k: r.get(k) for k in STEP_KEYS} for r in read_jsonl(stage / "metrics.jsonl")]
         dumps = [row for path in sorted((stage / "rollouts").glob("step_*.jsonl")) for row in read_jsonl(path)]
         signs = advantage_sign_agreement(dumps)
         alarms = read_jsonl(stage / "alarms.jsonl") if (stage / "alarms.jsonl").is_file() else []
-    scores = evaluate_heldout(heldout_spec(args, cfg, int(seed)), cfg.agent, policy, data, root, cache)
+    scores = evaluate_heldout(heldout_spec(args, cfg, job.seed), cfg.agent, policy, data, root, cache)
     predictions = read_jsonl(Path(scores.path).with_name("predictions.jsonl"))
+    content = [content_verdicts(p) for p in predictions]  # per answer, for the record's archive too
+    reload = reload_check(policy) if job.trains else None  # the trainer's last step vs the policy as reloaded
     rl_s = out_path(args, job).with_suffix(".rl_s")
     write_json(out_path(args, job), {
-        "job": job, "tag": args.tag, "family": family, "algorithm": algo, "seed": int(seed), "eval_seed": int(seed),
+        "job": str(job), "tag": args.tag, "family": job.family, "algorithm": job.kind, "seed": job.seed,
+        "eval_seed": job.seed,
         "split": args.split, "samples": args.samples, "commit": commit_state()[0],
         "config": {"rl": cfg.rl.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json")},
         "steps": rows, "alarms": alarms, "heldout": scores.meta, "heldout_path": scores.path,
@@ -254,67 +228,22 @@ def evaluate(args: argparse.Namespace, job: str, cfg, data, sft) -> None:
         "correct_count_Q": [sum(p["correct"]) for p in predictions],
         "formed_count_Q": [sum(p["format_ok"]) for p in predictions],
         "calls_Q": [sum(p["tool_calls"]) for p in predictions],
+        "content_QN": content, "reload_check": reload,
+        "content_count_Q": [sum(c) for c in content],
         "questions": [p["question"] for p in predictions],
         "rl_seconds_last_attempt": float(rl_s.read_text()) if rl_s.is_file() else None,
         "advantage_signs": signs, "policy": policy.path})
-    if algo != "sft" and not args.keep_optimizer:  # 1 GB per finished run; nothing resumes a finished run
+    if job.trains and not args.keep_optimizer:  # 1 GB per finished run; nothing resumes a finished run
         (Path(policy.path) / "optimizer.pt").unlink(missing_ok=True)
 
 
-# ---- the pool of workers (main process) ------------------------------------------------------------------------
-def run_pool(args: argparse.Namespace, jobs: list[str], root: Path) -> dict:
-    """Each job in its own process, `args.jobs` at a time; wall, CPU (os.wait4) and load average per attempt."""
-    attempts: dict[str, list[dict]] = {job: [] for job in jobs}
-    pending, running = list(jobs), {}
-    loads: list[float] = []
-    (root / "logs").mkdir(parents=True, exist_ok=True)
-    try:
-        _pool_loop(args, root, attempts, pending, running, loads)
-    except BaseException:  # interrupted: no worker outlives the pool (each resumes from its checkpoint next time)
-        for proc, *_ in running.values():
-            proc.terminate()
-        for proc, *_ in running.values():
-            proc.wait()
-        raise
-    return {"attempts": attempts, "mean_load": sum(loads) / len(loads) if loads else os.getloadavg()[0]}
+def content_verdicts(prediction: dict) -> list[bool]:
+    """Per answer of a held-out question: is it right wherever the response gives it (stages/eval/content.py: the
+    eval stage's grader, the task type from the row's ability)?"""
+    from stages.eval.content import content_correct
 
-
-def _pool_loop(args: argparse.Namespace, root: Path, attempts: dict[str, list[dict]], pending: list[str],
-               running: dict, loads: list[float]) -> None:
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            job = pending.pop(0)
-            cmd = [args.python, __file__, *sys.argv[1:], "--worker", job]
-            name = job.replace("/", "-").replace(":", "-s") + (f"@{args.tag}" if args.tag else "")
-            log = open(root / "logs" / f"{name}.log", "a")  # noqa: SIM115
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT),
-                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-            running[job] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time(), log,
-                            os.getloadavg()[0])
-            print(f"[{time.strftime('%H:%M:%S')}] started {job}", flush=True)
-        time.sleep(5)
-        loads.append(os.getloadavg()[0])
-        for job, (proc, started, log, load0) in list(running.items()):
-            timed_out = time.time() - started > args.run_timeout and not job.endswith("/sft")
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # not Popen.poll: wait4 also gives the CPU time
-            if pid == 0:
-                if timed_out:
-                    proc.terminate()  # reaped on the next pass; the run resumes from its checkpoint next time
-                continue
-            log.close()
-            del running[job]
-            record = {"job": job, "tag": args.tag, "split": args.split, "wall_s": time.time() - started,
-                      "cpu_s": usage.ru_utime + usage.ru_stime,
-                      "exit": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
-                      "load_start": load0, "load_end": os.getloadavg()[0]}
-            attempts[job].append(record)
-            if timed_out and len(attempts[job]) <= args.retries:
-                pending.append(job)
-            with open(root / "attempts.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-            print(f"[{time.strftime('%H:%M:%S')}] {job}: exit {record['exit']}{' (timed out)' if timed_out else ''}"
-                  f", {record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU", flush=True)
+    task_type = "math" if prediction.get("ability") == "math" else "qa"
+    return [content_correct(response, prediction["answer"], task_type) for response in prediction["responses"]]
 
 
 def prepare_families(args: argparse.Namespace, root: Path, families: list[str], build: bool = True) -> dict[str, dict]:
@@ -350,10 +279,11 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        worker(args, args.worker)
+        worker(args, Job.parse(args.worker))
         return 0
     from learning_record import build_record, pinned_commit, record_invocation
 
+    from bench.learning_pool import run_pool, worker_env
     from bench.results import commit_state, write_result
 
     root = Path(args.root).resolve()
@@ -362,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     provenance = commit_state(ignore=("bench/results/",))  # its own records, written by earlier invocations
     if official and provenance[1] and not args.allow_dirty:
         raise SystemExit("error: the checkout has uncommitted changes, and a learning record must name the code it ran "
-                         "(docs/benchmarks.md, the protocol). Commit them, or run from a clean worktree "
+                         "(docs/learning.md, the protocol). Commit them, or run from a clean worktree "
                          "(git worktree add ../bench-wt HEAD), or pass --allow-dirty for a trial whose record says so.")
     root.mkdir(parents=True, exist_ok=True)
     families = args.families.split(",")
@@ -376,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _interrupt)
     try:
         sft_times = prepare_families(args, root, families, build=bool(todo))
-        pool = run_pool(args, todo, root) if todo else {"attempts": {}, "mean_load": os.getloadavg()[0]}
+        pool = run_pool(args, todo, root, [args.python, __file__, *sys.argv[1:]], worker_env(PROJECT_ROOT)) if todo \
+            else {"attempts": {}, "mean_load": os.getloadavg()[0]}
     except KeyboardInterrupt:  # its wall time and commit count toward the design (the pin, the bench's total)
         record_invocation(root, args, time.time() - start, ran=bool(todo), commit=provenance[0], interrupted=True)
         raise SystemExit("interrupted: finished runs are kept, a cut run resumes from its checkpoint; rerun the same "
@@ -388,10 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nbench: {(time.time() - start) / 60:.1f} min wall this invocation, mean load average "
           f"{pool['mean_load']:.1f} on {os.cpu_count()} cores")
     if missing:
-        print(f"not finished: {', '.join(missing)}; rerun the same command to continue them")
+        print(f"not finished: {', '.join(map(str, missing))}; rerun the same command to continue them")
     elif official:
-        results = {f: {job.partition("/")[2]: json.loads(out_path(args, job).read_text())
-                       for job in jobs if job.startswith(f"{f}/")} for f in families}
+        results = {f: {job.run: json.loads(out_path(args, job).read_text()) for job in jobs if job.family == f}
+                   for f in families}
         summaries = {f: json.loads((root / f"summary-{run_name(f, args.tag, args.split)}.json").read_text())
                      for f in families}
         record = build_record(args, root, results, summaries)
@@ -400,37 +331,25 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if missing else 0
 
 
-def job_lists(args: argparse.Namespace, families: list[str]) -> tuple[list[str], list[str]]:
-    """Every run of the design: SFT evaluated once per seed (cheap, first), then seed-major RL runs (a bench cut
-    short still has whole seeds of every family and algorithm), the lr = 0 controls; and SFT's per-step rewards."""
-    seeds = args.seeds.split(",")
-    controls = [s for s in args.control_seeds.split(",") if s]
-    jobs = [f"{f}/sft:{s}" for s in seeds for f in families]
-    jobs += [f"{f}/{a}:{s}" for s in seeds for f in families for a in args.algos.split(",") if a]
-    jobs += [f"{f}/{CONTROL}:{s}" for s in controls for f in families]
-    baselines = [] if args.no_sft_steps else [f"{f}/sftsteps:{s}" for s in seeds for f in families]
-    return jobs, baselines
-
-
-def report_family(args: argparse.Namespace, root: Path, family: str, jobs: list[str], baselines: list[str],
-                  missing: list[str], sft_time: dict, pool: dict, wall_s: float) -> None:
+def report_family(args: argparse.Namespace, root: Path, family: str, jobs: list[Job], baselines: list[Job],
+                  missing: list[Job], sft_time: dict, pool: dict, wall_s: float) -> None:
     """The descriptive report of one family (learning_report: tables, plot, step table), SFT's seeds pooled."""
     from learning_record import pooled_sft
     from learning_report import report
 
-    ours = [job for job in jobs if job.startswith(f"{family}/") and job not in missing]
-    results = {job.partition("/")[2]: json.loads(out_path(args, job).read_text()) for job in ours}
-    sft_runs = [results.pop(run) for run in [r for r in results if r.startswith("sft:")]]
+    ours = [job for job in jobs if job.family == family and job not in missing]
+    results = {job.run: json.loads(out_path(args, job).read_text()) for job in ours}
+    sft_runs = [results.pop(job.run) for job in ours if job.kind == SFT]
     if sft_runs:
         results["sft"] = pooled_sft(sft_runs)
     steps = [json.loads(out_path(args, job).read_text()) for job in baselines
-             if job.startswith(f"{family}/") and job not in missing]
+             if job.family == family and job not in missing]
     attempts = [a for a in read_attempts(root)
                 if a.get("tag", "") == args.tag and a.get("split", "eval_test") == args.split]
     timing = {"sft": sft_time, "bench_wall_s": wall_s, "mean_load": pool["mean_load"],
-              "attempts": [{**a, "job": a["job"].partition("/")[2]} for a in attempts
-                           if a["job"].startswith(f"{family}/")]}
-    png = report(results, timing, root, [m for m in missing if m.startswith(f"{family}/")], family,
+              "attempts": [{**a, "kind": Job.parse(a["job"]).kind} for a in attempts
+                           if Job.parse(a["job"]).family == family]}
+    png = report(results, timing, root, [str(m) for m in missing if m.family == family], family,
                  name=run_name(family, args.tag, args.split), baselines=steps)
     if args.png_dir and png:
         Path(args.png_dir).mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
 """The SFT policy on every RL step's own prompts: is a falling training reward the policy getting worse, or a
 harder batch? (bench/bench_learning.py, job `<family>/sftsteps:<seed>`.)
 
-Every algorithm of one seed trains on the same prompts in the same order: the order of an epoch and the rollout seed
-of a step are pure functions of (seed, step) (stages/rl/trainer.py `epoch_order`, `rollout_seed`). This job takes,
-for each step of the run, exactly those prompts and that rollout seed, and rolls the SFT policy out on them the way
+Every algorithm of one seed trains on the same prompts in the same order: a step's prompts and its rollout seed are
+pure functions of (seed, step) (stages/rl/trainer.py `step_batch`, `rollout_seed`, which the trainer's own batch
+loop calls: this module calls them too, no copy). This job takes, for each step of the run, exactly those prompts
+and that rollout seed, and rolls the SFT policy out on them the way
 GRPO does (n independent trajectories per prompt, the run's tools and limits), with no update: its reward, accuracy,
 format errors and tool calls per step. Step 1 of a GRPO run samples the SFT policy on these same prompts, so its
 step-1 row is this row; a later step's RL reward minus this one is what training changed on those prompts.
@@ -33,7 +34,7 @@ def sft_step_rewards(cfg: Any, sft: Any, data: Any, seed: int, out: Path) -> dic
     from stages.generation.session import RolloutSession
     from stages.rl.rollout import tree_rollouts
     from stages.rl.step_metrics import rollout_metrics
-    from stages.rl.trainer import epoch_order, rollout_seed, step_counts
+    from stages.rl.trainer import rollout_seed, step_batch, step_counts
 
     baseline = next(spec.name for spec in SPECS if not spec.branches)  # independent samples, as GRPO draws them
     rows = read_rl_parquet(data.file("rl_train"))
@@ -47,9 +48,7 @@ def sft_step_rewards(cfg: Any, sft: Any, data: Any, seed: int, out: Path) -> dic
     try:
         for step in range(total):
             start = time.perf_counter()
-            epoch, position = divmod(step, per_epoch)
-            order = epoch_order(len(rows), seed, epoch)
-            batch_rows = [rows[i] for i in order[position * size:(position + 1) * size]]
+            batch_rows = [rows[i] for i in step_batch(len(rows), seed, step, per_epoch, size)[0]]
             with torch.no_grad():
                 batch = session.rollout(batch_rows, seed=rollout_seed(seed, step))
             rewards = compute_rewards(cfg.rl.trainer.reward, [t.response_text for t in batch.trajectories],

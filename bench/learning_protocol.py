@@ -1,13 +1,16 @@
-"""The learning bench's pre-registered protocol (issue 44, docs/benchmarks.md "Learning bench protocol"), as tables
-computed from a record's per-question file alone: rerunning it from the repository reproduces every interval (the
-bootstrap is seeded by the design).
+"""The learning bench's protocols (docs/learning.md), as tables computed from a record's per-question file alone:
+rerunning it from the repository reproduces every interval (the bootstrap is seeded by the design).
 
-Primary endpoints (the primary family, Holm at alpha over them): E1 each algorithm - SFT, then each tree algorithm
-- the baseline (E2 ARPO - GRPO, E3 AEPO - GRPO). Every other family is an exploratory arm: the same endpoints,
-unadjusted, and said so. Secondary endpoints (unadjusted): accuracy among well-formed answers (format repair vs
-reasoning), the well-formed rate, executed tool calls per question. Control: the lr = 0 run - SFT must hold 0.
+Protocol v1 (issue 44, corrected in issue 54): primary endpoints (the primary family, Holm at alpha over them): E1
+each algorithm - SFT, then each tree algorithm - the baseline (E2 ARPO - GRPO, E3 AEPO - GRPO), each decided by the
+seed-level paired t-test (the two-level bootstrap beside it is descriptive: at 5 seeds it rejects a true null far
+more often than its level). Every other family is an exploratory arm: the same endpoints, unadjusted, and said so.
+Secondary endpoints (unadjusted): accuracy among well-formed answers (per seed, averaged over seeds), the well-formed
+rate, executed tool calls per question. Control: the lr = 0 run - SFT must hold 0. Protocol v2 (content accuracy,
+the format-only arm): bench/learning_content.py, its tables added where the runs were graded for content.
 
     .venv/bin/python -m bench.learning_protocol <record>   # e.g. learning: bench/results/per-question/learning.json
+    .venv/bin/python -m bench.learning_protocol <record> --regenerate   # its record's generated tables, rewritten
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import learning_content as lc
 from bench import learning_stats as st
 from bench.learning_questions import (
     PER_QUESTION_DIR,
@@ -85,47 +89,93 @@ def _diff(family: Family, a: str, b: str, field: str = "correct") -> np.ndarray:
     return rate_SQ(ra, field) - rate_SQ(rb, field)
 
 
-def _mde_power(d: np.ndarray, level: float, design: Design) -> tuple[float, float]:
-    """MDE at `design.power` and the power at the target, from this d's own variance components."""
-    if min(d.shape) < 2:
-        return math.nan, math.nan
-    se = st.se_of_mean(st.variance_components(d), *d.shape)
-    return st.mde(se, level, design.power), st.power_at(design.target_mde, se, level)
+def _seed_sd(d: np.ndarray) -> float:
+    """The sd of the per-seed mean differences (nan with one seed)."""
+    m = d.mean(axis=1)
+    return float(m.std(ddof=1)) if m.size > 1 else math.nan
 
 
-def verdict(mean: float, rejected: bool, mde: float, target: float) -> str:
-    """One line per claim: shown / reversed (rejected, by sign), not shown (the design could have found an effect
-    of the target size), or within noise at the MDE this run had."""
-    if rejected:
-        return "shown" if mean > 0 else "reversed"
-    if math.isnan(mde):
-        return "within noise (MDE not estimable: fewer than 2 seeds or questions)"
-    if mde <= target:
-        return f"not shown (an effect >= {mde:.3f} would have been found)"
-    return f"within noise at an MDE of {mde:.3f}"
+def decide(d: np.ndarray, level: float, design: Design) -> tuple[st.SeedTest, float, int | None]:
+    """The seed-level decision of one endpoint at `level`: its t-test with the interval at 1 - level, its MDE (t
+    quantiles, per-seed sd, `design.power`) and the seeds that would give the target's MDE."""
+    sd = _seed_sd(d)
+    seeds = None if math.isnan(sd) else st.seeds_needed(sd, design.target_mde, level, design.power)
+    return st.seed_t_test(d, 1 - level), st.t_mde(sd, d.shape[0], level, design.power), seeds
 
 
-def primary_table(name: str, family: Family, design: Design) -> dict[str, Any]:
-    """Per primary endpoint: mean, Holm-stepped interval, bootstrap p, Holm p, seed t-test p, MDE, power, verdict."""
-    confirmatory = name == design.primary_family
-    pairs = primary_pairs(family, design)
-    diffs = {label: _diff(family, a, b) for label, a, b in pairs}
-    boots = {label: _boot(d, design) for label, d in diffs.items()}
-    adjusted = st.holm({label: e.p for label, e in boots.items()}, design.alpha) if confirmatory else {}
-    rows = []
+def _holm(tests: dict[str, st.SeedTest], alpha: float) -> dict[str, st.HolmResult]:
+    return st.holm({label: 1.0 if math.isnan(t.p) else t.p for label, t in tests.items()}, alpha)
+
+
+def primary_endpoints(name: str, family: Family, design: Design) -> list[dict[str, Any]]:
+    """Per primary endpoint, decided by the seed-level paired t-test (Holm over the family's primaries when it is
+    the primary family): label, d, its test at the Holm-stepped level, adjusted p, rejection, MDE, seeds needed.
+    Under protocol v2 (runs graded for content) v1's endpoints are exploratory: content accuracy is the primary."""
+    confirmatory = name == design.primary_family and not lc.has_content(family)
+    diffs = {label: _diff(family, a, b) for label, a, b in primary_pairs(family, design)}
+    adjusted = _holm({label: st.seed_t_test(d) for label, d in diffs.items()}, design.alpha) if confirmatory else {}
+    out = []
     for label, d in diffs.items():
         h = adjusted.get(label)
         level = h.level if h else design.alpha
-        e = _boot(d, design, 1 - level)
-        rejected = h.rejected if h else e.p <= design.alpha
-        mde, power = _mde_power(d, level, design)
-        call = verdict(e.mean, rejected, mde, design.target_mde)
-        rows.append([label, family.split, f"{d.shape[0]} x {d.shape[1]}", f"{e.mean:+.3f}", _ci(e), _p(e.p),
-                     _p(h.adjusted) if h else "unadjusted (exploratory)", _p(st.seed_t_test(d).p),
-                     f"{mde:.3f}", f"{power:.2f}", call if confirmatory else f"{call} (exploratory, unadjusted)"])
-    return {"columns": ["endpoint", "split", "seeds x questions", "mean", "interval (Holm-stepped level)",
-                        "bootstrap p", "Holm p", "seed t-test p", f"MDE ({design.power:.0%} power)",
-                        f"power at {design.target_mde:g}", "verdict"], "rows": rows}
+        test, mde, seeds = decide(d, level, design)
+        out.append({"label": label, "d": d, "test": test, "level": level, "adjusted": h.adjusted if h else math.nan,
+                    "rejected": h.rejected if h else test.p <= design.alpha, "mde": mde, "seeds": seeds,
+                    "exploratory": not confirmatory})
+    return out
+
+
+def primary_table(name: str, family: Family, design: Design) -> dict[str, Any]:
+    """Per primary endpoint: mean, seed-level t interval at its Holm step's level, t-test p, Holm p, the two-level
+    bootstrap p (descriptive: anti-conservative at 5 seeds), the MDE (t quantiles), the seeds for the target MDE and
+    the verdict."""
+    rows = []
+    for e in primary_endpoints(name, family, design):
+        t, d = e["test"], e["d"]
+        call = st.verdict(t.mean, e["rejected"], e["mde"], design.target_mde)
+        rows.append([e["label"], family.split, f"{d.shape[0]} x {d.shape[1]}", f"{t.mean:+.3f}",
+                     f"[{t.low:+.3f}, {t.high:+.3f}] ({100 * (1 - e['level']):.4g}%)", _p(t.p),
+                     "unadjusted (exploratory)" if e["exploratory"] else _p(e["adjusted"]), _p(_boot(d, design).p),
+                     f"{e['mde']:.3f}", str(e["seeds"] or "> 500"),
+                     f"{call} (exploratory, unadjusted)" if e["exploratory"] else call])
+    return {"columns": ["endpoint", "split", "seeds x questions", "mean", "seed-level t interval (Holm-stepped level)",
+                        "seed t-test p", "Holm p", "two-level bootstrap p (descriptive)",
+                        f"MDE (t, {design.power:.0%} power)", f"seeds for MDE {design.target_mde:g}", "verdict"],
+            "rows": rows}
+
+
+def formed_line(family: Family, a: str, design: Design) -> str | None:
+    """The secondary "accuracy among well-formed answers" (per-seed ratio, averaged over seeds) of `a` - SFT as one
+    line: a reasoning gain is shown, reversed, or not shown with the largest gain its interval leaves open."""
+    _, ra, rb = paired(family, a, SFT)
+    if not ra:
+        return None
+    (ca, fa), (cb, fb) = [(count_SQ(r, "correct"), count_SQ(r, "formed")) for r in (ra, rb)]
+    e = st.ratio_bootstrap(ca, fa, cb, fb, design.bootstrap_samples, design.bootstrap_seed)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_seed = ca.sum(1) / fa.sum(1) - cb.sum(1) / fb.sum(1)
+    t = st.seed_t_test(per_seed[:, None])
+    if e.low > 0:
+        reading = "a reasoning gain is shown"
+    elif e.high < 0:
+        reading = "reversed: fewer well-formed answers are right"
+    else:
+        reading = f"a reasoning gain is not shown; gains up to {e.high:+.3f} are not excluded"
+    return (f"accuracy among well-formed answers, {a} - {SFT}: {e.mean:+.3f} [{e.low:+.3f}, {e.high:+.3f}] "
+            f"({e.confidence:.0%} two-level bootstrap; seed-level t interval [{t.low:+.3f}, {t.high:+.3f}]) -> {reading}")
+
+
+def verdict_table(name: str, family: Family, design: Design) -> dict[str, Any]:
+    """The verdicts as generated lines: protocol v2's content endpoints first where the runs were graded for content
+    (bench/learning_content.py), then v1's primaries and each algorithm's accuracy among well-formed answers."""
+    lines = lc.content_verdicts(family, design.algorithms, design.baseline, design.alpha, design.power,
+                                design.target_mde) if lc.has_content(family) else []
+    lines += [st.verdict_line(e["label"], e["test"], e["adjusted"], e["rejected"], e["mde"], design.target_mde,
+                             e["seeds"]) + (" (exploratory, unadjusted)" if e["exploratory"] else "")
+             for e in primary_endpoints(name, family, design)]
+    lines += [line for _, a, b in primary_pairs(family, design) if b == SFT
+              if (line := formed_line(family, a, design)) is not None]
+    return {"columns": ["verdict"], "rows": [[line] for line in lines]}
 
 
 def _secondary_rows(family: Family, a: str, b: str, design: Design) -> list[list[str]]:
@@ -136,8 +186,8 @@ def _secondary_rows(family: Family, a: str, b: str, design: Design) -> list[list
     if b == SFT:
         (ca, fa), (cb, fb) = [(count_SQ(r, "correct"), count_SQ(r, "formed")) for r in (ra, rb)]
         ratio = st.ratio_bootstrap(ca, fa, cb, fb, design.bootstrap_samples, design.bootstrap_seed)
-        rows.append([f"accuracy among well-formed: {a} - {b}", f"{st.pooled_ratio(ca, fa):.3f}",
-                     f"{st.pooled_ratio(cb, fb):.3f}", f"{ratio.mean:+.3f} {_ci(ratio)}", _p(ratio.p)])
+        rows.append([f"accuracy among well-formed: {a} - {b}", f"{st.seed_mean_ratio(ca, fa):.3f}",
+                     f"{st.seed_mean_ratio(cb, fb):.3f}", f"{ratio.mean:+.3f} {_ci(ratio)}", _p(ratio.p)])
         formed = _boot(rate_SQ(ra, "formed") - rate_SQ(rb, "formed"), design)
         rows.append([f"well-formed rate: {a} - {b}", f"{rate_SQ(ra, 'formed').mean():.3f}",
                      f"{rate_SQ(rb, 'formed').mean():.3f}", f"{formed.mean:+.3f} {_ci(formed)}", _p(formed.p)])
@@ -207,7 +257,7 @@ def design_table(name: str, family: Family, design: Design) -> dict[str, Any]:
 def _design_row(label: str, shape: tuple[int, int], c: st.Components, level: float, design: Design) -> list[str]:
     grid = st.design_grid(c, list(design.seeds_options), list(design.question_options), level, design.target_mde,
                           design.power)
-    by_seeds = ", ".join(f"{S}: {st.mde(st.se_of_mean(c, S, design.planned_questions), level, design.power):.3f}"
+    by_seeds = ", ".join(f"{S}: {st.mde(st.se_of_mean(c, S, design.planned_questions), level, design.power, S - 1):.3f}"
                          for S in (3, 4, 5, 6, 8))
     best = grid["best"]
     return [label, f"{shape[0]} x {shape[1]}", f"{c.seed:.2e}", f"{c.question:.2e}", f"{c.residual:.2e}", by_seeds,
@@ -224,7 +274,7 @@ def policy_table(family: Family) -> dict[str, Any]:
         correct, formed = count_SQ(runs, "correct"), count_SQ(runs, "formed")
         rows.append([policy, ", ".join(str(s) for s in runs_of(family, policy)), f"{runs[0].samples}",
                      f"{rate_SQ(runs).mean():.3f}", f"{rate_SQ(runs, 'formed').mean():.3f}",
-                     f"{st.pooled_ratio(correct, formed):.3f}", f"{rate_SQ(runs, 'calls').mean():.2f}"])
+                     f"{st.seed_mean_ratio(correct, formed):.3f}", f"{rate_SQ(runs, 'calls').mean():.2f}"])
     return {"columns": ["policy", "seeds", "samples per question", "accuracy", "well-formed", "accuracy among "
                         "well-formed", "tool calls per sample"], "rows": rows}
 
@@ -241,6 +291,11 @@ def protocol_tables(per_question: dict[str, Family], design: Design = Design()) 
         if control:
             tables[f"{name}-control"] = control
         tables[f"{name}-design"] = design_table(name, family, design)
+        if lc.has_content(family):
+            tables[f"{name}-content"] = lc.content_table(family, design.algorithms, design.baseline, design.alpha,
+                                                         design.power, design.target_mde)
+            tables[f"{name}-content-policies"] = lc.accuracy_table(family)
+        tables[f"{name}-verdicts"] = verdict_table(name, family, design)
     return tables
 
 
@@ -262,7 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=Design.alpha)
     parser.add_argument("--target-mde", type=float, default=Design.target_mde)
     parser.add_argument("--primary-family", default=None, help="default: the protocol's (none on the validation split)")
+    parser.add_argument("--regenerate", action="store_true",
+                        help="rewrite the tables the code generates in bench/results/<record>.json from its per-question "
+                             "file (bench/learning_record.py regenerate_tables), then run python -m bench.results "
+                             "--write-docs")
     args = parser.parse_args(argv)
+    if args.regenerate:
+        from bench.learning_record import regenerate_tables
+
+        print(f"rewritten: {regenerate_tables(args.record)}")
+        return 0
     try:
         per_question = read_per_question(args.record, Path(args.root))
     except (FileNotFoundError, ValueError) as err:

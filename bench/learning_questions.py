@@ -2,9 +2,10 @@
 so that every interval and headline figure of the record can be recomputed from the repository (issue 44).
 
 One file per learning record; per task family its split, its questions (count and the sha256 of their texts), and
-per run one line: who it is (policy, algorithm, seed, evaluation seed, lr, steps, samples per question) and three
+per run one line: who it is (policy, algorithm, seed, evaluation seed, lr, steps, samples per question) and
 strings of one base-36 character per question: correct answers, well-formed answers and tool calls, each summed
-over the run's samples of that question.
+over the run's samples of that question, and (protocol v2, docs/learning.md) `content`: the answers right wherever
+the response gives one.
 
     {"record": "learning", "families": {"arith": {"split": "eval_test", "questions": 400,
       "questions_sha256": "...", "runs": {
@@ -29,6 +30,7 @@ DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 SFT = "sft"
 HEADLINE_DIGITS = 4  # a record's headline figures are rounded to at least this many decimals
 FIELDS = ("correct", "formed", "calls")
+OPTIONAL_FIELDS = ("content",)  # content accuracy (protocol v2): a record from before it has none
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Run:
     correct: np.ndarray
     formed: np.ndarray
     calls: np.ndarray
+    content: np.ndarray | None = None  # answers right wherever given (stages/eval/content.py), per question
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,14 @@ def run_id(result: dict[str, Any]) -> str:
 
 
 def compact_run(result: dict[str, Any]) -> dict[str, Any]:
-    """One run's line from a worker's results file (`algorithm` "sft", "control" or the RL algorithm; the counts
-    `correct_count_Q`, `formed_count_Q`, `calls_Q`; `samples`, `seed`, `eval_seed`; lr and steps from its
-    config, or a top-level `lr` where the config cannot hold it). The SFT policy had no RL: lr 0, steps 0."""
+    """One run's line from a worker's results file (`algorithm` "sft", an arm such as "control" or "format", or the
+    RL algorithm; the counts `correct_count_Q`, `formed_count_Q`, `calls_Q`, and `content_count_Q` where it has
+    one; `samples`, `seed`, `eval_seed`; lr and steps from its config, or a top-level `lr` where the config cannot
+    hold it). The SFT policy had no RL: lr 0, steps 0."""
     policy, rl = result["algorithm"], result.get("config", {}).get("rl", {})
     sft = policy == SFT
     n = len(result["correct_count_Q"])
-    if any(len(result[key]) != n for key in ("formed_count_Q", "calls_Q")):
+    if any(len(result[key]) != n for key in ("formed_count_Q", "calls_Q", "content_count_Q") if key in result):
         raise ValueError(f"{run_id(result)}: correct_count_Q, formed_count_Q and calls_Q differ in length")
     return {"policy": policy, "algorithm": None if sft else rl.get("algorithm"), "seed": int(result["seed"]),
             "eval_seed": int(result["eval_seed"]),
@@ -94,7 +98,9 @@ def compact_run(result: dict[str, Any]) -> dict[str, Any]:
             "steps": 0 if sft else int(rl["trainer"]["total_steps"]), "samples": int(result["samples"]),
             "correct": encode(result["correct_count_Q"], f"{run_id(result)} correct"),
             "formed": encode(result["formed_count_Q"], f"{run_id(result)} formed"),
-            "calls": encode(result["calls_Q"], f"{run_id(result)} calls")}
+            "calls": encode(result["calls_Q"], f"{run_id(result)} calls"),
+            **({"content": encode(result["content_count_Q"], f"{run_id(result)} content")}
+               if "content_count_Q" in result else {})}
 
 
 def family_payload(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,10 +155,10 @@ def read_per_question(name: str, root: Path = PER_QUESTION_DIR) -> dict[str, Fam
     for family, payload in json.loads(path.read_text())["families"].items():
         runs = {}
         for rid, run in payload["runs"].items():
-            arrays = {key: decode(run[key]) for key in FIELDS}
+            arrays = {key: decode(run[key]) for key in (*FIELDS, *OPTIONAL_FIELDS) if key in run}
             if any(a.size != payload["questions"] for a in arrays.values()):
                 raise ValueError(f"{path}: {family}/{rid} has counts for other than {payload['questions']} questions")
-            runs[rid] = Run(**{k: v for k, v in run.items() if k not in FIELDS}, **arrays)
+            runs[rid] = Run(**{k: v for k, v in run.items() if k not in arrays}, **arrays)
         out[family] = Family(payload["split"], payload["questions"], payload["questions_sha256"], runs)
     return out
 
@@ -207,7 +213,8 @@ def headline_figures(per_question: dict[str, Family], digits: int = HEADLINE_DIG
 def provenance_problems(record_path: Path, per_question_root: Path = PER_QUESTION_DIR,
                         repo: Path = PROJECT_ROOT) -> list[str]:
     """What makes a learning record unverifiable: a commit git does not know, uncommitted changes, no per-question
-    file, or headline figures the per-question file does not reproduce (to HEADLINE_DIGITS decimals)."""
+    file, headline figures the per-question file does not reproduce (to HEADLINE_DIGITS decimals), or archived
+    predictions that are missing, altered or do not sum to its counts (bench/learning_archive.py)."""
     record_path = Path(record_path)
     record, name = json.loads(record_path.read_text()), record_path.stem
     problems = []
@@ -223,6 +230,9 @@ def provenance_problems(record_path: Path, per_question_root: Path = PER_QUESTIO
         per_question = read_per_question(name, per_question_root)
     except (FileNotFoundError, ValueError, KeyError) as err:
         return [*problems, f"{name}: {err}"]
+    from bench.learning_archive import archive_problems
+
+    problems += archive_problems(name, record, per_question, repo)
     stored, tolerance = record.get("figures", {}), 0.5 * 10**-HEADLINE_DIGITS + 1e-12
     for key, value in headline_figures(per_question).items():
         if key not in stored:

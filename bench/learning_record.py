@@ -58,6 +58,13 @@ def invocations(root: Path, name: str) -> list[dict[str, Any]]:
     return [line for line in lines if line["record"] == name]
 
 
+def attempts_of(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The attempts (root/attempts.jsonl) of this record's tag and split."""
+    path = root / "attempts.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [a for a in lines if a.get("tag", "") == args.tag and a.get("split", "eval_test") == args.split]
+
+
 def bench_wall_min(root: Path, name: str) -> float:
     """Minutes of wall time of every invocation that ran runs of record `name` (reports alone add nothing)."""
     return round(sum(line["wall_s"] for line in invocations(root, name) if line["ran_runs"]) / 60, 1)
@@ -76,10 +83,12 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
     """Write the per-question file of record `record_name(args)` and return the record's write_result arguments
     (name, figures, summary, what, details, conditions, tables); families run earlier into the same record are kept.
     results: per family, every run's results file by run id (`grpo:0`); summaries: per family, learning_report's.
+    Every run's held-out answers and the invocation and attempt logs are committed beside it (bench/learning_archive.py).
     Headline figures and the protocol's tables are computed from the per-question file as written, so the record and
     a recomputation from the repository agree (tests/unit/test_learning_provenance.py)."""
     from learning_report import step_table
 
+    from bench.learning_archive import reload_table, write_archive, write_logs
     from bench.learning_protocol import design_for, protocol_tables
     from bench.learning_questions import family_payload, headline_figures, read_per_question, write_per_question
 
@@ -93,7 +102,10 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
         if summary.get("steps_vs_sft", {}).get("rows"):
             tables[f"{family}-steps-vs-sft"] = summary["steps_vs_sft"]
         tables[f"{family}-steps"] = step_table([r for r in runs.values() if r["algorithm"] != "sft"])
+        tables[f"{family}-reload"] = reload_table(list(runs.values()))
     write_per_question(name, {family: family_payload(list(runs.values())) for family, runs in results.items()})
+    archived = {family: write_archive(name, family, list(runs.values())) for family, runs in results.items()}
+    logs = write_logs(name, invocations(root, name), attempts_of(root, args))
     per_question = read_per_question(name)
     figures: dict[str, Any] = headline_figures(per_question)
     tables.update(protocol_tables(per_question, design_for(args.split)))
@@ -109,13 +121,15 @@ def build_record(args: argparse.Namespace, root: Path, results: dict[str, dict[s
             "summary": f"accuracy on the {split}{variant}, {policies}; {{bench_wall_min:.0f}} min wall",
             "what": "does RL learn, does ARPO beat GRPO: GRPO / ARPO / AEPO from one SFT policy, the protocol's "
                     "endpoints" + (f"; variant {args.tag}" if args.tag else ""),
-            "details": "#learning-bench-protocol",
-            "conditions": merged_conditions(old.get("conditions", {}), list(results), {
+            "details": "learning.md",
+            "conditions": {**merged_conditions(old.get("conditions", {}), list(results), {
                 "algorithms": args.algos.split(","), "seeds": args.seeds.split(","),
-                "control_seeds": [s for s in args.control_seeds.split(",") if s], "split": args.split,
+                "control_seeds": [s for s in args.control_seeds.split(",") if s],
+                "format_seeds": [s for s in getattr(args, "format_seeds", "").split(",") if s], "split": args.split,
                 "steps": args.steps, "questions": args.questions, "samples": args.samples,
                 "temperature": args.temperature, "backend": args.backend, "jobs": args.jobs, "tag": args.tag,
                 "overrides": args.override}, f"bench/results/per-question/{name}.json"),
+                "predictions": {**old.get("conditions", {}).get("predictions", {}), **archived}, "logs": logs},
             "tables": tables}
 
 
@@ -128,3 +142,41 @@ def merged_conditions(old: dict[str, Any], ran: list[str], this: dict[str, Any],
     by_family.update(old.get("by_family", {}))
     by_family.update({family: this for family in ran})
     return {"families": sorted(by_family), **this, "per_question": per_question, "by_family": by_family}
+
+
+def descriptive_gain_cells(family: Any, policy: str) -> dict[str, str]:
+    """A policy's "gain vs SFT" and "mean gain [95%]" cells of the descriptive table, recomputed from the
+    per-question file (`Family`): each run paired with SFT's evaluation of its own seed, as the report pairs them."""
+    from bench.learning_questions import SFT, paired
+    from bench.learning_report import gain_cells, gain_summary
+
+    seeds, rl, sft = paired(family, policy, SFT)
+    return gain_cells(gain_summary([(s, (b.correct / b.samples).tolist(), (a.correct / a.samples).tolist())
+                                    for s, a, b in zip(seeds, rl, sft)]))
+
+
+def regenerate_tables(name: str, root: Path = RESULTS_DIR) -> Path:
+    """Rewrite what the code generates in record `name` from its committed per-question file alone: the protocol's
+    tables, and the gain cells of each family's descriptive table. Everything else (figures, commit, date,
+    conditions, the runs' steps) stays as the run wrote it: the record is history, its rendering follows the code."""
+    from bench.learning_protocol import design_for, protocol_tables
+    from bench.learning_questions import read_per_question
+    from stages.core.atomic import write_text
+
+    path = root / f"{name}.json"
+    record = json.loads(path.read_text())
+    per_question = read_per_question(name)
+    record["tables"].update(protocol_tables(per_question, design_for(record["conditions"]["split"])))
+    for family_name, family in per_question.items():
+        table = record["tables"].get(family_name)
+        if table is None:
+            continue
+        policy_col = table["columns"].index("policy")
+        for row in table["rows"]:
+            policy = row[policy_col].split(" (")[0]
+            if policy.lower() == "sft":
+                continue
+            for column, cell in descriptive_gain_cells(family, policy).items():
+                row[table["columns"].index(column)] = cell
+    write_text(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return path

@@ -1,11 +1,10 @@
 """Tables, verdicts and the plot of bench/bench_learning.py (pure functions over the per-run results files).
 
-Intervals: a run's held-out accuracy has a percentile bootstrap interval over questions (stages.heldout);
-a run's gain over the SFT policy has a *paired* bootstrap interval (the same questions resampled for both, so
-question difficulty cancels). Two algorithms are compared with a *two-level* bootstrap: each draw resamples the
-questions (shared by both, paired) and, independently per algorithm, its seeds; the difference of the mean
-accuracies over the drawn questions and seeds gives the interval, which therefore holds both the question-to-
-question and the seed-to-seed variation. A difference is called only when that 95% interval excludes 0.
+Descriptive, not the protocol's verdicts (bench/learning_protocol.py). Intervals (bench/learning_stats.py): a run's
+held-out accuracy has a percentile bootstrap interval over questions (stages.heldout); a run's gain over the SFT
+policy has a *paired* bootstrap interval (`paired_gain`: the same questions resampled for both). Two algorithms are
+compared with `unpaired_two_level_diff`: each draw resamples the questions (shared by both) and, independently per
+algorithm, its seeds.
 """
 
 from __future__ import annotations
@@ -17,46 +16,16 @@ from typing import Any
 import numpy as np
 
 from bench.learning_baseline import steps_against_sft
+from bench.learning_stats import paired_gain, unpaired_two_level_diff
 from stages.core.algorithm_spec import SPECS
 
 ALGOS = tuple(spec.name for spec in SPECS)   # the algorithm table, in its order
 BASELINE = next(spec.name for spec in SPECS if not spec.branches)  # what the tree algorithms are compared with
 
 EARLY_LATE = 3  # steps averaged for "early" (first) and "late" (last) training values
-COLLAPSE_ALARMS = ("reward_at_floor", "reward_collapse", "entropy_collapse", "tool_collapse", "nonfinite_loss")
+COLLAPSE_ALARMS = ("reward_at_floor", "reward_collapse", "formed_but_wrong", "entropy_collapse", "tool_collapse",
+                   "nonfinite_loss")
 ABOUT_HALF = (0.35, 0.65)  # the tool-call ratio range read as the paper's "about half"
-
-
-def paired_gain(sft_Q: list[float], rl_Q: list[float], samples: int = 2000, seed: int = 0,
-                confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean of rl - sft, low, high): percentile bootstrap over questions, both policies resampled together."""
-    sft, rl = np.asarray(sft_Q, dtype=float), np.asarray(rl_Q, dtype=float)
-    if sft.shape != rl.shape or sft.size == 0:
-        raise ValueError(f"paired gain needs the same questions for both policies, got {sft.shape} and {rl.shape}")
-    diff = rl - sft
-    index = np.random.default_rng(seed).integers(0, diff.size, size=(samples, diff.size))
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(diff[index].mean(axis=1), [tail, 1 - tail])
-    return float(diff.mean()), float(low), float(high)
-
-
-def two_level_diff(a_QS: np.ndarray, b_QS: np.ndarray, samples: int = 4000, seed: int = 0,
-                   confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean of a - b, low, high) for per-question accuracies [Q, seeds] of two algorithms on the same questions:
-    every draw resamples the questions (the same ones for both) and each algorithm's seeds."""
-    a, b = np.asarray(a_QS, dtype=float), np.asarray(b_QS, dtype=float)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0] or a.shape[0] == 0:
-        raise ValueError(f"two_level_diff needs [questions, seeds] arrays over the same questions, got {a.shape} and "
-                         f"{b.shape}")
-    rng = np.random.default_rng(seed)
-    q = rng.integers(0, a.shape[0], size=(samples, a.shape[0]))
-    sa = rng.integers(0, a.shape[1], size=(samples, a.shape[1]))
-    sb = rng.integers(0, b.shape[1], size=(samples, b.shape[1]))
-    means_a = np.array([a[q[i]][:, sa[i]].mean() for i in range(samples)])
-    means_b = np.array([b[q[i]][:, sb[i]].mean() for i in range(samples)])
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(means_a - means_b, [tail, 1 - tail])
-    return float(a.mean() - b.mean()), float(low), float(high)
 
 
 def advantage_sign_agreement(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -116,14 +85,10 @@ def alarm_counts(run: dict[str, Any]) -> dict[str, int]:
 
 def algorithm_summary(runs: list[dict[str, Any]], sft: dict[str, Any]) -> dict[str, Any]:
     """One algorithm's seeds -> held-out accuracy spread, paired gains, training statistics (means over seeds)."""
-    gains = [paired_gain(sft_for(sft, r), r["correct_Q"], seed=r["seed"] or 0) for r in runs]
-    # the mean gain over seeds: each seed minus its own SFT evaluation, questions and seeds resampled
-    paired = per_question(runs) - np.array([sft_for(sft, r) for r in runs], dtype=float).T
-    mean_gain = two_level_diff(paired, np.zeros((paired.shape[0], 1)))
-    out: dict[str, Any] = {"mean_gain": {"mean": mean_gain[0], "low": mean_gain[1], "high": mean_gain[2]},
+    per_question(runs)  # the same questions for every seed, or a clear error
+    out: dict[str, Any] = {**gain_summary([(r["seed"], sft_for(sft, r), r["correct_Q"]) for r in runs]),
         "seeds": [r["seed"] for r in runs], "accuracy": spread([r["heldout"]["accuracy"] for r in runs]),
         "accuracy_ci": [(r["heldout"]["ci_low"], r["heldout"]["ci_high"]) for r in runs],
-        "gain": spread([g[0] for g in gains]), "gain_ci": [(g[1], g[2]) for g in gains],
         "heldout_tools": spread([r["heldout"]["tool_calls_per_traj"] for r in runs]),
         "heldout_format": spread([r["heldout"]["format_valid"] for r in runs]),
         "advantage_sign": spread([r.get("advantage_signs", {}).get("agreement", float("nan")) for r in runs]),
@@ -139,6 +104,26 @@ def algorithm_summary(runs: list[dict[str, Any]], sft: dict[str, Any]) -> dict[s
                 "finish/length"):
         out[key] = spread([run_mean(r["steps"], key) for r in runs])
     return out
+
+
+def gain_summary(pairs: list[tuple[int | None, list[float], list[float]]]) -> dict[str, Any]:
+    """Gains over SFT from (seed, SFT's per-question accuracies to pair with, the run's): per run the paired gain
+    over questions (`gain`, `gain_ci`), and the mean gain over seeds (`mean_gain`: each seed minus its own SFT
+    evaluation, questions and seeds resampled). The record's descriptive cells are recomputed from the per-question
+    file with it (bench/learning_record.py `descriptive_gain_cells`)."""
+    gains = [paired_gain(sft_Q, rl_Q, seed=seed or 0) for seed, sft_Q, rl_Q in pairs]
+    paired = np.array([np.asarray(rl_Q, dtype=float) - np.asarray(sft_Q, dtype=float) for _, sft_Q, rl_Q in pairs]).T
+    mean, low, high = unpaired_two_level_diff(paired, np.zeros((paired.shape[0], 1)))
+    return {"mean_gain": {"mean": mean, "low": low, "high": high}, "gain": spread([g[0] for g in gains]),
+            "gain_ci": [(g[1], g[2]) for g in gains]}
+
+
+def gain_cells(summary: dict[str, Any]) -> dict[str, str]:
+    """The descriptive table's "gain vs SFT" and "mean gain [95%]" cells of one policy."""
+    mg = summary["mean_gain"]
+    return {"gain vs SFT": f"{summary['gain']['mean']:+.3f} ("
+                           + ", ".join(f"{lo:+.2f}..{hi:+.2f}" for lo, hi in summary["gain_ci"]) + ")",
+            "mean gain [95%]": f"{mg['mean']:+.3f} [{mg['low']:+.3f}, {mg['high']:+.3f}]"}
 
 
 def sft_for(sft: dict[str, Any], run: dict[str, Any]) -> list[float]:
@@ -162,7 +147,7 @@ def compare(by_algo: dict[str, list[dict[str, Any]]], algo: str, base: str = BAS
     if algo not in by_algo or base not in by_algo:
         return None
     a, b = by_algo[algo], by_algo[base]
-    diff, low, high = two_level_diff(per_question(a), per_question(b))
+    diff, low, high = unpaired_two_level_diff(per_question(a), per_question(b))
     out: dict[str, Any] = {"diff": diff, "low": low, "high": high}
     for key, name in (("rollout/tool_calls_executed_per_traj", "train_exec"), ("tools/calls_per_traj", "train")):
         num, den = statistics.fmean(run_mean(r["steps"], key) for r in a), \
@@ -255,11 +240,7 @@ def table_rows(summaries: dict[str, dict[str, Any]], sft: dict[str, Any]) -> lis
              "runs with alarms": "", "step s": ""}]
     for algo, s in summaries.items():
         rows.append({
-            "policy": f"{algo} ({len(s['seeds'])} seeds)", "held-out acc": _fmt(s["accuracy"]),
-            "gain vs SFT": f"{s['gain']['mean']:+.3f} ("
-                           + ", ".join(f"{lo:+.2f}..{hi:+.2f}" for lo, hi in s["gain_ci"]) + ")",
-            "mean gain [95%]": f"{s['mean_gain']['mean']:+.3f} [{s['mean_gain']['low']:+.3f}, "
-                               f"{s['mean_gain']['high']:+.3f}]",
+            "policy": f"{algo} ({len(s['seeds'])} seeds)", "held-out acc": _fmt(s["accuracy"]), **gain_cells(s),
             "reward early -> late": f"{s['reward/mean:early']['mean']:.2f} -> {s['reward/mean:late']['mean']:.2f}",
             "train acc early -> late": f"{s['accuracy:early']['mean']:.2f} -> {s['accuracy:late']['mean']:.2f}",
             "tools/traj train (exec)": f"{s['tools/calls_per_traj']['mean']:.2f} "
@@ -360,7 +341,7 @@ def report(results: dict[str, dict[str, Any]], timing: dict[str, Any], root: Pat
     by_algo = _by_algo(results)
     summaries = {algo: algorithm_summary(runs, sft) for algo, runs in by_algo.items()}
     for algo, s in summaries.items():  # CPU of every attempt (RL + its held-out evaluation), per run
-        cpu = [a["cpu_s"] for a in timing.get("attempts", []) if a["job"].split(":")[0] == algo]
+        cpu = [a["cpu_s"] for a in timing.get("attempts", []) if a["kind"] == algo]
         s["cpu_min_per_run"] = sum(cpu) / 60 / max(1, len(s["seeds"]))
     rows = table_rows(summaries, sft)
     lines = verdicts(summaries, sft, by_algo)

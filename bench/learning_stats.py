@@ -1,12 +1,17 @@
-"""The learning bench's statistics (issue 44), pure numpy/scipy, so that a protocol fixed in advance can be
-recomputed from the committed per-question counts.
+"""The learning bench's statistics (issues 44, 54), pure numpy/scipy, so that a protocol fixed in advance can be
+recomputed from the committed per-question counts. Every statistic of the bench lives here (docs/learning.md).
 
 The data are a policy's per-question accuracies over seeds x questions, `x_SQ`; two policies are compared through
 their paired differences `d_SQ` (seed s of one with seed s of the other: they share the evaluation sampling seed).
 Seeds and questions are crossed (every seed answers every question), so a bootstrap draw resamples the seeds and,
 once for all seeds, the questions; its spread holds both the seed-to-seed and the question-to-question variation.
 The same crossed model's variance components give the standard error of a design not yet run, hence its minimum
-detectable difference (MDE) and power.
+detectable difference (MDE) and power. With few seeds the seed is the unit that decides (docs/learning.md): the
+seed-level paired t-test, its MDE with t quantiles from the per-seed sd, and the seeds a target needs.
+
+Two bootstraps over seeds and questions are here, and they differ: `two_level_bootstrap` resamples the seeds of a
+*paired* difference d_SQ (seed s of one policy with seed s of the other), `unpaired_two_level_diff` resamples each
+policy's seeds independently (the descriptive tables' comparison of two algorithms).
 
     .venv/bin/python -m bench.learning_protocol learning   # the tables of bench/results/per-question/learning.json
 """
@@ -92,11 +97,11 @@ def two_level_draws(d_SQ: np.ndarray, samples: int = BOOTSTRAP_SAMPLES, seed: in
 
 def ratio_bootstrap(num_a_SQ: np.ndarray, den_a_SQ: np.ndarray, num_b_SQ: np.ndarray, den_b_SQ: np.ndarray,
                     samples: int = BOOTSTRAP_SAMPLES, seed: int = 0, confidence: float = 0.95) -> Estimate:
-    """The paired difference of pooled ratios (e.g. correct / well-formed): per seed, r = sum_q num / sum_q den for
+    """The paired difference of ratios (e.g. correct / well-formed): per seed, r = sum_q num / sum_q den for
     each policy; the estimate is the mean over seeds of r_a - r_b. A draw resamples the questions (the same for
     every seed and both policies) and the seeds, and recomputes the ratios. A seed with no denominator gives nan."""
     arrays = _same_shape(num_a_SQ, den_a_SQ, num_b_SQ, den_b_SQ)
-    point = pooled_ratio(*arrays[:2]) - pooled_ratio(*arrays[2:])
+    point = seed_mean_ratio(*arrays[:2]) - seed_mean_ratio(*arrays[2:])
     return _summarize(point, ratio_draws(*arrays, samples=samples, seed=seed), confidence)
 
 
@@ -118,8 +123,10 @@ def _same_shape(*arrays_SQ: np.ndarray) -> list[np.ndarray]:
     return arrays
 
 
-def pooled_ratio(num_SQ: np.ndarray, den_SQ: np.ndarray) -> float:
-    """Mean over seeds of sum_q num / sum_q den (one policy's accuracy among well-formed answers)."""
+def seed_mean_ratio(num_SQ: np.ndarray, den_SQ: np.ndarray) -> float:
+    """Mean over seeds of sum_q num / sum_q den: one policy's accuracy among well-formed answers, the protocol's one
+    definition (per seed over its questions, then averaged over seeds: the seed is the unit, as in every test here;
+    not the ratio of sums pooled over seeds, which weights a seed by its well-formed count)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return float(np.mean(_check(num_SQ).sum(1) / _check(den_SQ).sum(1)))
 
@@ -221,10 +228,25 @@ def se_of_mean(components: Components, S: int, Q: int) -> float:
     return math.sqrt(c.seed / S + c.question / Q + c.residual / (S * Q))
 
 
-def mde(se: float, alpha: float = 0.05, power: float = 0.8) -> float:
+def mde(se: float, alpha: float = 0.05, power: float = 0.8, df: int | None = None) -> float:
     """The smallest true difference a two-sided test at `alpha` finds with probability `power`:
-    (z_{1-alpha/2} + z_power) se (normal approximation)."""
-    return float((stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) * se)
+    (q_{1-alpha/2} + q_power) se, with t quantiles at `df` degrees of freedom (the seed-level test: df = S - 1), or
+    normal ones when df is None (the approximation that, at 5 seeds, understates the MDE by 1.33-1.62x)."""
+    q = stats.norm.ppf if df is None else (lambda x: stats.t.ppf(x, df))
+    return float((q(1 - alpha / 2) + q(power)) * se)
+
+
+def t_mde(seed_sd: float, seeds: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The seed-level paired t-test's MDE: (t_{1-alpha/2, S-1} + t_{power, S-1}) sd / sqrt(S), with `seed_sd` the
+    sd of the per-seed mean differences (from a pilot). Fewer than 2 seeds: nan."""
+    if seeds < 2:
+        return math.nan
+    return mde(seed_sd / math.sqrt(seeds), alpha, power, df=seeds - 1)
+
+
+def seeds_needed(seed_sd: float, effect: float, alpha: float = 0.05, power: float = 0.8, most: int = 500) -> int | None:
+    """The fewest seeds (>= 2) whose t_mde is at most |effect|: `power` to find it; None when `most` do not do."""
+    return next((S for S in range(2, most + 1) if t_mde(seed_sd, S, alpha, power) <= abs(effect)), None)
 
 
 def power_at(effect: float, se: float, alpha: float = 0.05) -> float:
@@ -237,6 +259,7 @@ def power_at(effect: float, se: float, alpha: float = 0.05) -> float:
 
 def design_grid(components: Components, seeds_options: list[int], question_options: list[int], alpha: float,
                 target_mde: float, power: float = 0.8) -> dict:
+    # t quantiles at df = S - 1: the seed-level test decides, and its df is what a design of S seeds has
     """Every (seeds, questions) design's SE and MDE, and the cheapest meeting `target_mde`: fewest seeds, then
     fewest questions (seeds are the costly runs; questions are generated and cost an evaluation each). `best` is
     None when no design in the grid meets it."""
@@ -244,8 +267,70 @@ def design_grid(components: Components, seeds_options: list[int], question_optio
     for S in sorted(seeds_options):
         for Q in sorted(question_options):
             se = se_of_mean(components, S, Q)
-            row = {"seeds": S, "questions": Q, "se": se, "mde": mde(se, alpha, power)}
+            row = {"seeds": S, "questions": Q, "se": se, "mde": mde(se, alpha, power, df=S - 1)}
             grid.append(row)
             if best is None and row["mde"] <= target_mde:
                 best = row
     return {"best": best, "grid": grid}
+
+
+# ---- verdicts -----------------------------------------------------------------------------------------------
+def verdict(mean: float, rejected: bool, mde_value: float, target: float) -> str:
+    """The short verdict: shown / reversed (rejected, by sign), not shown (the design could have found an effect of
+    the target size: its MDE was at most the target), or within noise at the MDE this run had."""
+    if rejected:
+        return "shown" if mean > 0 else "reversed"
+    if math.isnan(mde_value):
+        return "within noise (MDE not estimable: fewer than 2 seeds)"
+    if mde_value <= target:
+        return f"not shown (the MDE was {mde_value:.3f} <= {target:g})"
+    return f"within noise at an MDE of {mde_value:.3f}"
+
+
+def verdict_line(claim: str, test: SeedTest, adjusted_p: float, rejected: bool, mde_value: float, target: float,
+                 seeds_for_target: int | None = None) -> str:
+    """One generated line per claim: `<claim>: <mean> [<interval>], seed-level t-test p <p> (adjusted <p>) -> <verdict>`,
+    and, when it is not shown, the seeds that would give the target's MDE."""
+    p = "n/a" if math.isnan(test.p) else f"{test.p:.2g}"
+    adjusted = "" if math.isnan(adjusted_p) or adjusted_p == test.p else f", adjusted {adjusted_p:.2g}"
+    line = (f"{claim}: {test.mean:+.3f} [{test.low:+.3f}, {test.high:+.3f}], seed-level t-test p {p}{adjusted} -> "
+            f"{verdict(test.mean, rejected, mde_value, target)}")
+    if not rejected and mde_value > target:
+        line += (f"; {seeds_for_target} seeds would give an MDE of {target:g}" if seeds_for_target
+                 else f"; no design of up to 500 seeds gives an MDE of {target:g}")
+    return line
+
+
+# ---- the descriptive tables' bootstraps ---------------------------------------------------------------------
+def paired_gain(sft_Q: list[float], rl_Q: list[float], samples: int = 2000, seed: int = 0,
+                confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean of rl - sft, low, high): percentile bootstrap over questions, both policies resampled together (one
+    run against SFT's evaluation with its sampling seed)."""
+    sft, rl = np.asarray(sft_Q, dtype=float), np.asarray(rl_Q, dtype=float)
+    if sft.shape != rl.shape or sft.size == 0:
+        raise ValueError(f"paired gain needs the same questions for both policies, got {sft.shape} and {rl.shape}")
+    diff = rl - sft
+    index = np.random.default_rng(seed).integers(0, diff.size, size=(samples, diff.size))
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(diff[index].mean(axis=1), [tail, 1 - tail])
+    return float(diff.mean()), float(low), float(high)
+
+
+def unpaired_two_level_diff(a_QS: np.ndarray, b_QS: np.ndarray, samples: int = 4000, seed: int = 0,
+                            confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean of a - b, low, high) for per-question accuracies [Q, seeds] of two algorithms on the same questions:
+    every draw resamples the questions (the same ones for both) and each algorithm's seeds independently (no
+    pairing by seed: the descriptive tables'; the protocol pairs, `two_level_bootstrap`)."""
+    a, b = np.asarray(a_QS, dtype=float), np.asarray(b_QS, dtype=float)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0] or a.shape[0] == 0:
+        raise ValueError(f"unpaired_two_level_diff needs [questions, seeds] arrays over the same questions, got "
+                         f"{a.shape} and {b.shape}")
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, a.shape[0], size=(samples, a.shape[0]))
+    sa = rng.integers(0, a.shape[1], size=(samples, a.shape[1]))
+    sb = rng.integers(0, b.shape[1], size=(samples, b.shape[1]))
+    means_a = np.array([a[q[i]][:, sa[i]].mean() for i in range(samples)])
+    means_b = np.array([b[q[i]][:, sb[i]].mean() for i in range(samples)])
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means_a - means_b, [tail, 1 - tail])
+    return float(a.mean() - b.mean()), float(low), float(high)

@@ -1,5 +1,5 @@
-"""Bench results: one JSON file per bench, `bench/results/<name>.json`, and the tables of docs/benchmarks.md made
-from them, so that every measured number lives in one place.
+"""Bench results: one JSON file per bench, `bench/results/<name>.json`, and the tables of docs/benchmarks.md (and
+docs/learning.md, the learning bench's page) made from them, so that every measured number lives in one place.
 
 A bench script ends with `write_result(name, figures, ...)`: the figures it printed, with the date, the commit, the
 load average and the machine, written atomically (a rerun replaces the file). A result says how it reads in one line
@@ -11,7 +11,7 @@ A record superseded by a protocol it predates moves to `bench/results/history/` 
 as `history/<name>/T`, and it leaves the summary table. Other folders under bench/results/ (a bench's working folders,
 `per-question/`) hold no records.
 
-    .venv/bin/python -m bench.results --write-docs    # rewrite the generated tables in docs/benchmarks.md
+    .venv/bin/python -m bench.results --write-docs    # rewrite the generated tables in docs/benchmarks.md, learning.md
     .venv/bin/python -m bench.results --check         # exit 1 when they are out of date
     .venv/bin/python -m bench.results                 # print the summary table
 """
@@ -32,7 +32,8 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = PROJECT_ROOT / "bench" / "results"
 HISTORY = "history"  # bench/results/history/: records kept for the page's history, not in the summary table
-DOC = PROJECT_ROOT / "docs" / "benchmarks.md"
+DOC = PROJECT_ROOT / "docs" / "benchmarks.md"  # the summary table's page
+DOCS = (DOC, PROJECT_ROOT / "docs" / "learning.md")  # every page with generated tables
 # `<!-- bench-table:start -->` (the summary) or `<!-- bench-table:[history/]<name>/<table>:start -->`, to its end
 BLOCK = re.compile(r"<!-- bench-table(?P<tag>(?::(?:history/)?[\w.-]+/[\w.-]+)?):start -->\n(?P<body>.*?)"
                    r"<!-- bench-table(?P=tag):end -->", re.S)
@@ -160,22 +161,25 @@ def render(text: str, results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write-docs", action="store_true", help=f"rewrite the tables in {DOC.relative_to(PROJECT_ROOT)}")
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"rewrite the tables in {', '.join(str(d.relative_to(PROJECT_ROOT)) for d in DOCS)}")
     parser.add_argument("--check", action="store_true", help="exit 1 when the tables differ from the result files")
     args = parser.parse_args(argv)
     results = load_results()
-    text = DOC.read_text(encoding="utf-8")
-    want = render(text, results)
-    if args.write_docs:
-        if want != text:
-            DOC.write_text(want, encoding="utf-8")
-        print(f"{DOC.relative_to(PROJECT_ROOT)}: {'rewritten' if want != text else 'up to date'}")
-        return 0
-    if args.check:
-        if want != text:
-            print(f"{DOC.relative_to(PROJECT_ROOT)} is out of date: run `python -m bench.results --write-docs`")
-            return 1
-        return 0
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        want = render(text, results)
+        if args.write_docs:
+            if want != text:
+                doc.write_text(want, encoding="utf-8")
+            print(f"{doc.relative_to(PROJECT_ROOT)}: {'rewritten' if want != text else 'up to date'}")
+        elif want != text:
+            stale.append(doc)
+    if args.check or args.write_docs:
+        for doc in stale:
+            print(f"{doc.relative_to(PROJECT_ROOT)} is out of date: run `python -m bench.results --write-docs`")
+        return 1 if stale else 0
     sys.stdout.write(summary_table(results))
     return 0
 

@@ -112,6 +112,16 @@ def _last_boxed(text: str, openers: tuple[str, ...] = _BOX_OPENERS) -> str | Non
     return None if last is None else text[last[1]:last[2]]
 
 
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete `\\boxed{…}` of `text` (balanced braces), or None; linear time."""
+    return _last_boxed(text)
+
+
+def strip_results(text: str) -> str:
+    """`text` without the environment's `<result>` blocks (an unclosed one runs to the end)."""
+    return _RESULT_BLOCK.sub("", text)
+
+
 def _answer_span(text: str) -> str | None:
     """Content of the last <answer>…</answer>; an unclosed last <answer> runs to the end of the text."""
     start = text.rfind("<answer>")

@@ -101,6 +101,25 @@ def math_equiv_reward(responses: list[str], ground_truths: list[str], abilities:
             for r, g, a in zip(responses, ground_truths, abilities)]
 
 
+def format_one(response: str, ground_truth: str, ability: str) -> Reward:
+    """The task's format score alone: the format penalty (-1) for a malformed answer or one with no extractable
+    answer, 0 for a well-formed one, right or wrong. `correct` is still graded (math_equiv's rule), for the accuracy
+    metric only: nothing rewards it."""
+    graded = math_one(response, ground_truth) if ability == "math" else reference_one(response, ground_truth)
+    if graded.score == FORMAT_PENALTY:
+        return graded
+    return Reward(0.0, graded.correct, "format ok, correctness not rewarded", graded.answer, graded.f1)
+
+
+@REWARDS.register("format_only")
+def format_only_reward(responses: list[str], ground_truths: list[str], abilities: list[str]) -> list[Reward]:
+    """The control arm of the learning bench (docs/learning.md): the format penalty of the task reward without its
+    correctness term. RL under it repairs the format as RL under the task reward does, and cannot teach the answers,
+    so RL(task) - RL(format_only) isolates what the correctness reward teaches."""
+    _check_lengths(responses, ground_truths, abilities)
+    return [format_one(r, g, a) for r, g, a in zip(responses, ground_truths, abilities)]
+
+
 def compute_rewards(name: str, responses: list[str], ground_truths: list[str], abilities: list[str]) -> list[Reward]:
     """Look the reward up by its config name (rl.trainer.reward) and score the batch."""
     return REWARDS.get(name)(responses, ground_truths, abilities)

@@ -61,6 +61,8 @@ class ScoredSample(BaseModel):
     math_equal: float = 0.0
     math_error: str | None = None
     rule_equiv: float = 0.0
+    content_text: str = ""     # the answer wherever the output gives one (stages/eval/content.py)
+    content_equal: float = 0.0  # content_text graded by the rule (math-verify for math, exact match for qa)
     python_calls: int
     search_calls: int
     inference_tools: dict[str, int] = Field(default_factory=dict)

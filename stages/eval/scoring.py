@@ -34,6 +34,7 @@ from stages.core.provenance import git_state, utc_now
 from stages.core.refs import EndpointRef, PredictionsRef, ScoresRef
 from stages.core.workspace import StageDir, stage_dir
 from stages.eval.benchmarks import headline_metric
+from stages.eval.content import content_text
 from stages.eval.judge import PROMPT_HASH, Judge, JudgeRequest, Verdict
 from stages.eval.provenance import judge_record
 from stages.eval.rows import PredictionRow, ScoredSample
@@ -152,21 +153,39 @@ def score_samples(cfg: EvalSection, rows: list[PredictionRow], judge: EndpointRe
             infra_failures=row.infra_failures,
             total_s=row.timing.get("total_s", 0.0),
             benchmark=row.benchmark, model=row.model, benchmark_hash=row.benchmark_hash))
-    math_rows = [s for s in scored if s.task_type == "math" and s.scored_text]
-    if math_rows:
-        workers = min(cfg.math_workers, free_cpu_threads(), len(math_rows))  # spare cores only
-        with MathVerifier(workers=workers) as verifier:
-            results = verifier.check([(s.scored_text, s.golds) for s in math_rows])
-        for sample, result in zip(math_rows, results):
-            sample.math_equal, sample.math_error = float(result.equal), result.error
+    for row, sample in zip(rows, scored):
+        sample.content_text = content_text(row.output, row.task_type)
+    _verify_math(cfg, scored)
     for sample in scored:
         sample.rule_equiv = sample.math_equal if sample.task_type == "math" else sample.em
+        if sample.task_type == "qa":
+            sample.content_equal = qa_metrics(sample.content_text, sample.golds)["em"]
     if judge is not None:
         _apply_judge(cfg, rows, scored, judge, cache_root)
     for sample in scored:
         sample.score, sample.correct = sample_score(sample.task_type, sample.model_dump(), judge is not None,
                                                     headline)
     return scored
+
+
+def _verify_math(cfg: EvalSection, scored: list[ScoredSample]) -> None:
+    """math_equal of every math sample's scored text, and content_equal of its content text, in one verifier pool
+    (a content text equal to the scored text is not verified twice)."""
+    todo = [(s, "math_equal", s.scored_text) for s in scored if s.task_type == "math" and s.scored_text]
+    todo += [(s, "content_equal", s.content_text) for s in scored if s.task_type == "math" and s.content_text
+             and s.content_text != s.scored_text]
+    if not todo:
+        return
+    workers = min(cfg.math_workers, free_cpu_threads(), len(todo))  # spare cores only
+    with MathVerifier(workers=workers) as verifier:
+        results = verifier.check([(text, s.golds) for s, _, text in todo])
+    for (sample, field, _), result in zip(todo, results):
+        setattr(sample, field, float(result.equal))
+        if field == "math_equal":
+            sample.math_error = result.error
+    for sample in scored:
+        if sample.task_type == "math" and sample.content_text and sample.content_text == sample.scored_text:
+            sample.content_equal = sample.math_equal
 
 
 def _apply_judge(cfg: EvalSection, rows: list[PredictionRow], scored: list[ScoredSample], judge: EndpointRef,
@@ -238,6 +257,7 @@ def _means(samples: list[ScoredSample], judged: bool, accuracy: float) -> dict[s
     calls = [s.python_calls + s.search_calls for s in samples]
     tool_calls = float(np.mean(calls))
     out = {"em": mean("em"), "f1": mean("f1"), "acc": mean("acc"), "math_equal": mean("math_equal"),
+           "content_accuracy": mean("content_equal"),  # the answer wherever given (stages/eval/content.py)
            "num_valid_answer": int(sum(s.has_prediction for s in samples)),
            "tool_calls": tool_calls, "python_calls": mean("python_calls"), "search_calls": mean("search_calls"),
            "tool_use_rate": float(np.mean([c > 0 for c in calls])),

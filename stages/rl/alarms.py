@@ -14,6 +14,11 @@ thresholds in `rl.alarms` (AlarmSection), and returns an `Alarm` for that step o
 - no_signal_groups: at least `no_signal_fraction` of the groups had all-equal rewards (zero advantage, no
   gradient) for `window` steps in a row.
 - reward_collapse: mean reward `reward_drop` below its best earlier value.
+- formed_but_wrong: the "well-formed but wrong" collapse, which reward_collapse misses when the format errors fall as
+  the answers go wrong (a malformed answer scores -1, a wrong well-formed one 0, so the reward barely moves): at a
+  step whose format-error rate is at most `formed_max_format_error`, the accuracy among well-formed answers
+  (accuracy / (1 - format-error rate)) is `formed_accuracy_drop` below its best at an earlier such step. Steps with
+  more format errors are not compared: their few well-formed answers make the ratio noise.
 - nonfinite_loss: loss, gradient norm, reward or entropy is NaN or infinite.
 - infra_failures: at least `infra_share` of the step's trajectories were touched by a tool infrastructure
   failure (the search provider, retrieval server or sandbox failed a call) and left out of the loss: the step
@@ -140,6 +145,21 @@ def reward_collapse(history: list[Row], rules: AlarmSection) -> str | None:
     return None
 
 
+def formed_but_wrong(history: list[Row], rules: AlarmSection) -> str | None:
+    ratios = [(int(r.get("step", i + 1)), float(r["accuracy"]) / (1 - float(r["reward/format_error_rate"])))
+              for i, r in enumerate(history) if "accuracy" in r and "reward/format_error_rate" in r
+              and float(r["reward/format_error_rate"]) <= rules.formed_max_format_error]
+    last = history[-1]
+    if len(ratios) < 2 or ratios[-1][0] != int(last.get("step", len(history))):
+        return None  # the step just made is not a well-formed one, or there is nothing to compare it with
+    (best_step, best), now = max(ratios[:-1], key=lambda x: x[1]), ratios[-1][1]
+    if now < best - rules.formed_accuracy_drop:
+        return (f"well-formed but wrong: accuracy among well-formed answers {now:.3g} (format errors "
+                f"{float(last['reward/format_error_rate']):.3g}), {best - now:.3g} below its best {best:.3g} at step "
+                f"{best_step} (drop >= {rules.formed_accuracy_drop:g}): the policy answers in form and gets it wrong")
+    return None
+
+
 def nonfinite_loss(history: list[Row], rules: AlarmSection) -> str | None:
     row = history[-1]
     bad = [f"{key}={row[key]}" for key in ("loss", "grad_norm", "reward/mean", "entropy/mean")
@@ -192,7 +212,8 @@ def sampler_drift(history: list[Row], rules: AlarmSection) -> str | None:
 CHECKS: dict[str, Callable[[list[Row], AlarmSection], str | None]] = {
     "tool_collapse": tool_collapse, "tool_unused": tool_unused, "entropy_collapse": entropy_collapse,
     "format_errors_rising": format_errors_rising, "reward_at_floor": reward_at_floor,
-    "no_signal_groups": no_signal_groups, "reward_collapse": reward_collapse, "nonfinite_loss": nonfinite_loss,
+    "no_signal_groups": no_signal_groups, "reward_collapse": reward_collapse, "formed_but_wrong": formed_but_wrong,
+    "nonfinite_loss": nonfinite_loss,
     "infra_failures": infra_failures, "trees_dropped": trees_dropped, "sampler_drift": sampler_drift}
 
 

@@ -96,6 +96,14 @@ def epoch_order(n_rows: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+def step_batch(n_rows: int, seed: int, step: int, per_epoch: int, size: int) -> tuple[list[int], int, int]:
+    """(the train-set rows of 0-based `step`, its epoch, its position in the epoch): a pure function of (seed, step),
+    so a resumed run takes the same prompts, and so does the learning bench's SFT baseline on each step's prompts
+    (bench/learning_baseline.py calls this, not a copy)."""
+    epoch, position = divmod(step, per_epoch)
+    return epoch_order(n_rows, seed, epoch)[position * size:(position + 1) * size], epoch, position
+
+
 def make_optimizer(model: torch.nn.Module, cfg: RLSection) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; the fused kernel when the parameters allow it (about 6x faster per
     step than the default loop on CPU for the 135M tiny model)."""
@@ -207,10 +215,9 @@ class RLTrainer:
 
     # ---- one step -----------------------------------------------------------------------------------------
     def batch_rows(self, step: int) -> tuple[list[RLRow], int, int]:
-        epoch, position = divmod(step, self.steps_per_epoch)
-        order = epoch_order(len(self.rows), self.seed, epoch)
-        size = self.cfg.trainer.train_batch_size
-        return [self.rows[i] for i in order[position * size:(position + 1) * size]], epoch, position
+        rows, epoch, position = step_batch(len(self.rows), self.seed, step, self.steps_per_epoch,
+                                           self.cfg.trainer.train_batch_size)
+        return [self.rows[i] for i in rows], epoch, position
 
     def step(self, state: ckpt.TrainerState, session: RolloutSession, pad_id: int,
              history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -281,4 +288,4 @@ class RLTrainer:
                       per_traj)
 
 
-__all__ = ["RLTrainer", "rollout_seed", "run_local", "step_counts"]
+__all__ = ["RLTrainer", "rollout_seed", "run_local", "step_batch", "step_counts"]

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench import learning_stats as st
+from bench.learning_jobs import Job
 from stages.core.config.eval import HeldoutSection
 from stages.core.env import PROJECT_ROOT
 from stages.heldout import summarize_verdicts
@@ -56,15 +58,17 @@ def test_the_design_pairs_sft_seeds_with_runs_and_adds_the_lr_zero_control() -> 
     args = bench.parse_args(["--backend", "transformers", "--families", "arith", "--seeds", "0,1",
                              "--algos", "grpo,arpo", "--no-sft-steps"])
     jobs, baselines = bench.job_lists(args, ["arith"])
-    assert jobs == ["arith/sft:0", "arith/sft:1", "arith/grpo:0", "arith/arpo:0", "arith/grpo:1", "arith/arpo:1",
-                    "arith/control:0"] and baselines == []
+    assert list(map(str, jobs)) == ["arith/sft:0", "arith/sft:1", "arith/grpo:0", "arith/arpo:0", "arith/grpo:1",
+                                    "arith/arpo:1", "arith/control:0"] and baselines == []
     control = bench.load(args, "arith", "control")
     assert control.rl.algorithm == "grpo" and control.rl.optim.lr == 0
     assert bench.load(args, "arith", "arpo").rl.optim.lr > 0
 
 
 def test_results_live_apart_per_split_and_tag_with_sft_shared_by_tags(tmp_path: Path) -> None:
-    path = bench.result_path
+    def path(root: Path, job: str, *rest) -> Path:
+        return bench.result_path(root, Job.parse(job), *rest)
+
     assert path(tmp_path, "arith/grpo:1") == tmp_path / "results" / "arith" / "grpo-s1.json"
     assert path(tmp_path, "arith/grpo:1", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid@lr1e-5/grpo-s1.json"
     assert path(tmp_path, "arith/sft:0", "lr1e-5", "rl_valid") == tmp_path / "results/arith-valid/sft-s0.json"
@@ -74,33 +78,33 @@ def test_results_live_apart_per_split_and_tag_with_sft_shared_by_tags(tmp_path: 
     changes = bench.parse_args(["-o", "sft.max_steps=48", "-o", "rl.optim.lr=1e-5"])
     assert bench.changes_sft(changes) and not bench.changes_sft(bench.parse_args(["-o", "rl.optim.lr=1e-5"]))
     assert bench.job_lists(bench.parse_args(["--algos", "", "--seeds", "0", "--control-seeds", ""]),
-                           ["arith"])[0] == ["arith/sft:0"]
+                           ["arith"])[0] == [Job("arith", "sft", 0)]
 
 
 def test_two_level_interval_holds_the_seed_spread() -> None:
     # same questions: a perfect vs a useless algorithm, every seed alike -> every draw gives +1
-    assert report.two_level_diff(np.ones((5, 3)), np.zeros((5, 2))) == pytest.approx((1.0, 1.0, 1.0))
+    assert st.unpaired_two_level_diff(np.ones((5, 3)), np.zeros((5, 2))) == pytest.approx((1.0, 1.0, 1.0))
     # a: seed 0 right everywhere, seed 1 wrong everywhere; b: 0.5 everywhere. Mean difference 0; a draw of a's
     # seeds is {0,0} (+0.5), {1,1} (-0.5) or mixed (0), each extreme with probability 1/4 -> interval [-0.5, 0.5]
     a = np.array([[1.0, 0.0]] * 4)
-    diff, low, high = report.two_level_diff(a, np.full((4, 2), 0.5))
+    diff, low, high = st.unpaired_two_level_diff(a, np.full((4, 2), 0.5))
     assert diff == pytest.approx(0.0) and low == pytest.approx(-0.5) and high == pytest.approx(0.5)
     with pytest.raises(ValueError, match="same questions"):
-        report.two_level_diff(np.ones((3, 2)), np.ones((4, 2)))
+        st.unpaired_two_level_diff(np.ones((3, 2)), np.ones((4, 2)))
 
 
 def test_paired_gain_is_exact_when_every_question_moves_the_same_way() -> None:
     # every question gains exactly 0.5: each bootstrap mean is 0.5, so the interval collapses to it
-    assert report.paired_gain([0.0, 0.5, 0.25], [0.5, 1.0, 0.75]) == pytest.approx((0.5, 0.5, 0.5))
+    assert st.paired_gain([0.0, 0.5, 0.25], [0.5, 1.0, 0.75]) == pytest.approx((0.5, 0.5, 0.5))
 
 
 def test_paired_gain_interval_covers_the_mean_and_rejects_mismatched_questions() -> None:
     sft = [0, 0, 1, 1, 0, 1, 0, 0]
     rl = [1, 0, 1, 1, 1, 1, 0, 1]   # 3 questions gained, none lost: mean gain 3/8
-    mean, low, high = report.paired_gain(sft, rl, samples=4000)
+    mean, low, high = st.paired_gain(sft, rl, samples=4000)
     assert mean == pytest.approx(0.375) and 0.0 <= low < mean < high <= 0.875
     with pytest.raises(ValueError, match="same questions"):
-        report.paired_gain([1, 0], [1])
+        st.paired_gain([1, 0], [1])
 
 
 def test_spread_and_early_late() -> None:
@@ -253,3 +257,48 @@ def test_a_run_is_paired_with_the_sft_evaluation_of_its_own_sampling_seed() -> N
     assert summary["mean_gain"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
     unpaired = report.algorithm_summary([control], {k: v for k, v in sft.items() if k != "correct_Q_by_seed"})
     assert unpaired["gain"]["mean"] == pytest.approx(-0.375)
+
+
+# ---- issue 54: jobs as values, the format-only arm, content counts, no copy of the trainer's batch loop --------
+def test_a_job_has_one_text_form_read_back_in_one_place() -> None:
+    job = Job.parse("arith/format:3")
+    assert job == Job("arith", "format", 3) and str(job) == "arith/format:3" and job.run == "format:3"
+    assert job.trains and not Job("arith", "sftsteps", 0).trains and job.log_name("v2") == "arith-format-s3@v2"
+    for bad in ("arith/grpo", "grpo:0", "arith/grpo:x", "/grpo:0"):
+        with pytest.raises(ValueError, match="<family>/<kind>:<seed>"):
+            Job.parse(bad)
+
+
+def test_the_format_only_arm_is_grpo_under_the_format_reward() -> None:
+    args = bench.parse_args(["--backend", "transformers", "--families", "arith", "--seeds", "0", "--algos", "grpo",
+                             "--control-seeds", "", "--format-seeds", "0,1", "--no-sft-steps"])
+    jobs, _ = bench.job_lists(args, ["arith"])
+    assert list(map(str, jobs)) == ["arith/sft:0", "arith/grpo:0", "arith/format:0", "arith/format:1"]
+    arm, task = bench.load(args, "arith", "format"), bench.load(args, "arith", "grpo")
+    assert (arm.rl.algorithm, arm.rl.trainer.reward) == ("grpo", "format_only")
+    assert task.rl.trainer.reward != "format_only" and arm.rl.optim.lr == task.rl.optim.lr
+    assert bench.result_path(Path("/r"), Job("arith", "format", 1), "v2") == Path("/r/results/arith@v2/format-s1.json")
+
+
+def test_a_questions_content_verdicts_grade_every_response_wherever_it_answers() -> None:
+    # "What is 347 * 812?" (281764): an unclosed answer (right), a missing EOS (the first answer right), a wrong one
+    right = "<think>347 * 812</think><python>print(347 * 812)</python> <result>\n281764\n</result>"
+    prediction = {"answer": "281764", "ability": "math", "responses": [
+        right + "<answer>\\boxed{281764}", right + "<answer>\\boxed{281764}</answer><answer>\\boxed{1}</answer>",
+        right + "<answer>\\boxed{281765}</answer>"]}
+    assert bench.content_verdicts(prediction) == [True, True, False]
+
+
+def test_the_sft_baseline_takes_each_steps_prompts_from_the_trainers_own_function() -> None:
+    import ast
+
+    from stages.rl.trainer import epoch_order, step_batch
+
+    # 10 rows, 3 per step: 3 steps per epoch; steps 0-2 are the first 9 of epoch 0's order, step 3 starts epoch 1
+    per_epoch, order = 3, epoch_order(10, 7, 0)
+    assert [step_batch(10, 7, s, per_epoch, 3)[0] for s in range(3)] == [order[0:3], order[3:6], order[6:9]]
+    assert step_batch(10, 7, 3, per_epoch, 3) == (epoch_order(10, 7, 1)[0:3], 1, 0)
+    # bench/learning_baseline.py calls it (the trainer's batch_rows does too): no copy of the loop to drift apart
+    tree = ast.parse((BENCH / "learning_baseline.py").read_text())
+    called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert "step_batch" in called and "epoch_order" not in called and "divmod" not in called

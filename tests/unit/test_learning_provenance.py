@@ -8,6 +8,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from bench import learning_questions as lq
 from bench.results import RESULTS_DIR
 
@@ -97,3 +99,39 @@ def test_figures_the_per_question_file_does_not_reproduce_fail(tmp_path: Path) -
     path.write_text(json.dumps(record))
     (problem,) = lq.provenance_problems(path, root)
     assert "arith_grpo_gain (0.25) is in the per-question file but not in the record" in problem
+
+
+def test_every_learning_records_descriptive_gains_reproduce_from_its_per_question_file() -> None:
+    """The gain columns of each family's descriptive table: each run paired with SFT's evaluation of its own seed,
+    recomputed from the committed counts (the v1 record's control row once showed -0.022 against SFT's mean over
+    seeds; `python -m bench.learning_protocol <record> --regenerate` rewrote it from the counts: +0.000)."""
+    from bench.learning_record import descriptive_gain_cells
+
+    for path in RECORDS:
+        record = json.loads(path.read_text())
+        for family_name, family in lq.read_per_question(path.stem).items():
+            table = record["tables"].get(family_name)
+            if table is None:
+                continue
+            col = {name: i for i, name in enumerate(table["columns"])}
+            for row in table["rows"][1:]:  # the first is SFT itself
+                cells = descriptive_gain_cells(family, row[col["policy"]].split(" (")[0])
+                assert {k: row[col[k]] for k in cells} == cells, f"{path.stem}/{family_name}: {row[0]}"
+
+
+def test_v1s_verdicts_are_the_seed_level_tests() -> None:
+    """Issue 54's corrections of v1 (record `learning`), from its per-question file."""
+    from bench import learning_protocol as lp
+
+    family = lq.read_per_question("learning")["arith"]
+    ends = {e["label"]: e for e in lp.primary_endpoints("arith", family, lp.Design())}
+    # seed-level t-test p: GRPO 0.0071, ARPO 0.0018, AEPO 0.0827; Holm: ARPO 5 x 0.0018 = 0.009 (0.0018 <= 0.01),
+    # GRPO 4 x 0.0071 = 0.028 (0.0071 <= 0.0125), AEPO 3 x 0.0827 = 0.248 (0.0827 > 0.0167: stops)
+    assert ends["E1 arpo - sft"]["rejected"] and ends["E1 grpo - sft"]["rejected"]
+    assert not ends["E1 aepo - sft"]["rejected"] and ends["E1 aepo - sft"]["adjusted"] == pytest.approx(0.248, abs=1e-3)
+    line = lp.formed_line(family, "grpo", lp.Design())
+    assert line.endswith("-> a reasoning gain is not shown; gains up to +0.185 are not excluded")
+    # the control's descriptive row, regenerated: +0.000 (the lr = 0 run answers as SFT's seed 0 does)
+    record = json.loads((RESULTS_DIR / "learning.json").read_text())
+    control = next(row for row in record["tables"]["arith"]["rows"] if row[0].startswith("control"))
+    assert control[2:4] == ["+0.000 (+0.00..+0.00)", "+0.000 [+0.000, +0.000]"]

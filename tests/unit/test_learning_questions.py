@@ -81,10 +81,12 @@ def test_headline_figures_by_hand(tmp_path: Path) -> None:
 
 
 def test_verdicts() -> None:
-    assert lp.verdict(0.1, True, 0.05, 0.07) == "shown"
-    assert lp.verdict(-0.1, True, 0.05, 0.07) == "reversed"
-    assert lp.verdict(0.01, False, 0.05, 0.07) == "not shown (an effect >= 0.050 would have been found)"
-    assert lp.verdict(0.01, False, 0.09, 0.07) == "within noise at an MDE of 0.090"
+    from bench.learning_stats import verdict
+
+    assert verdict(0.1, True, 0.05, 0.07) == "shown"
+    assert verdict(-0.1, True, 0.05, 0.07) == "reversed"
+    assert verdict(0.01, False, 0.05, 0.07) == "not shown (the MDE was 0.050 <= 0.07)"
+    assert verdict(0.01, False, 0.09, 0.07) == "within noise at an MDE of 0.090"
 
 
 def synthetic(tmp_path: Path) -> dict[str, lq.Family]:
@@ -115,7 +117,7 @@ def test_policy_table_pools_each_policys_seeds(tmp_path: Path) -> None:
 def test_protocol_tables_from_the_per_question_file(tmp_path: Path) -> None:
     design = lp.Design(bootstrap_samples=1000)
     tables = lp.protocol_tables(synthetic(tmp_path), design)
-    kinds = ("policies", "primary", "secondary", "control", "design")
+    kinds = ("policies", "primary", "secondary", "control", "design", "verdicts")
     assert set(tables) == {f"{f}-{t}" for f in ("arith", "chain") for t in kinds}
     primary = {row[0]: row for row in tables["arith-primary"]["rows"]}
     assert list(primary) == ["E1 grpo - sft", "E1 arpo - sft", "E1 aepo - sft", "E2 arpo - grpo", "E3 aepo - grpo"]
@@ -123,8 +125,10 @@ def test_protocol_tables_from_the_per_question_file(tmp_path: Path) -> None:
     assert verdicts["E1 grpo - sft"] == verdicts["E1 arpo - sft"] == "shown"
     assert verdicts["E1 aepo - sft"] == verdicts["E3 aepo - grpo"] == "reversed"
     assert verdicts["E2 arpo - grpo"].startswith(("within noise", "not shown"))
-    # Holm over 5: the first step's interval is at 1 - 0.05/5 = 99%, the last (E2, the largest p) at 95%
-    assert "(99%)" in primary["E1 grpo - sft"][4] and "(95%)" in primary["E2 arpo - grpo"][4]
+    # Holm over 5 seed-level t-tests: the steps' intervals at 1 - 0.05/5 = 99%, 98.75%, 98.33%, 97.5%, and the last
+    # (E2, the largest p) at 95%
+    levels = sorted(row[4].rsplit("(", 1)[1] for row in primary.values())
+    assert levels == ["95%)", "97.5%)", "98.33%)", "98.75%)", "99%)"] and "(95%)" in primary["E2 arpo - grpo"][4]
     chain = tables["chain-primary"]["rows"]
     assert all(row[6] == "unadjusted (exploratory)" and row[-1].endswith("(exploratory, unadjusted)") for row in chain)
     assert tables["arith-control"]["rows"][0][-1].startswith("holds 0")

@@ -64,9 +64,9 @@ def test_a_shapeless_difference_is_refused() -> None:
 
 
 # ---- the ratio endpoint ---------------------------------------------------------------------------------------
-def test_pooled_ratio_is_the_mean_over_seeds_of_sums() -> None:
+def test_seed_mean_ratio_is_the_mean_over_seeds_of_sums() -> None:
     # seed 0: 2/3, seed 1: 1/3 -> 1/2
-    assert st.pooled_ratio(np.array([[1, 1], [0, 1]]), np.array([[1, 2], [1, 2]])) == pytest.approx(0.5)
+    assert st.seed_mean_ratio(np.array([[1, 1], [0, 1]]), np.array([[1, 2], [1, 2]])) == pytest.approx(0.5)
 
 
 def test_the_ratio_difference_is_recomputed_per_draw() -> None:
@@ -155,14 +155,17 @@ def test_mde_and_power() -> None:
 
 
 def test_design_grid_picks_fewest_seeds_then_fewest_questions() -> None:
-    z = 1.959964 + 0.841621
-    # seed variance only, 0.01: MDE = z 0.1 / sqrt(S) <= 0.07 needs S >= (z / 0.7)^2 = 16.02: 16 misses (0.07004)
+    # t quantiles at df = S - 1 (t tables): S 16: 2.1314 + 0.8662 = 2.9976; S 20: 2.0930 + 0.8610 = 2.9540
+    # seed variance only, 0.01: MDE = q 0.1 / sqrt(S): 16 seeds 2.9976 x 0.025 = 0.0749 miss 0.07, 20 seeds
+    # 2.9540 x 0.02236 = 0.0661 meet it
     g = st.design_grid(st.Components(0.01, 0.0, 0.0), [4, 16, 20], [400, 80], 0.05, 0.07)
     assert (g["best"]["seeds"], g["best"]["questions"]) == (20, 80) and len(g["grid"]) == 6
-    assert g["grid"][2]["mde"] == pytest.approx(z * 0.1 / 4)                        # (16, 80)
-    # question variance only, 0.04: MDE = z 0.2 / sqrt(Q) <= 0.07 needs Q >= (z / 0.35)^2 = 64.07
+    assert g["grid"][2]["mde"] == pytest.approx(2.9976 * 0.1 / 4, abs=1e-4)            # (16, 80)
+    # question variance only, 0.04: MDE = q 0.2 / sqrt(Q); at 3 seeds (df 2: 4.3027 + 1.0607 = 5.3634) 80 questions
+    # give 0.120, 400 give 0.0536: the fewest seeds, 3, with 400 questions
     g = st.design_grid(st.Components(0.0, 0.04, 0.0), [3, 5], [64, 80, 400], 0.05, 0.07)
-    assert (g["best"]["seeds"], g["best"]["questions"]) == (3, 80)
+    assert (g["best"]["seeds"], g["best"]["questions"]) == (3, 400)
+    assert g["best"]["mde"] == pytest.approx(5.3634 * 0.2 / 20, abs=1e-4)
     assert st.design_grid(st.Components(1.0, 0.0, 0.0), [3], [80], 0.05, 0.07)["best"] is None
 
 
@@ -175,3 +178,40 @@ def test_sampling_noise_scales_with_the_samples_per_question() -> None:
     assert st.at_samples(c, 0.04, 4, 4) == c
     with pytest.raises(ValueError, match="at least 2 samples"):
         st.sampling_variance(np.ones((1, 3)), 1)
+
+
+# ---- seed-level MDE, seeds needed, verdict lines (issue 54) -------------------------------------------------
+def test_t_quantiles_make_the_mde_1_33_to_1_62_times_the_normal_one_at_5_seeds() -> None:
+    # df 4 (t tables): t(0.975) 2.7764, t(0.995) 4.6041, t(0.8) 0.9410; normal: 1.9600, 2.5758, 0.8416
+    # alpha 0.05: 3.7174 / 2.8016 = 1.327; alpha 0.01: 5.5451 / 3.4174 = 1.623
+    assert st.mde(1.0, 0.05, 0.8, df=4) / st.mde(1.0, 0.05, 0.8) == pytest.approx(1.327, abs=1e-3)
+    assert st.mde(1.0, 0.01, 0.8, df=4) / st.mde(1.0, 0.01, 0.8) == pytest.approx(1.623, abs=1e-3)
+
+
+def test_t_mde_and_the_seeds_a_target_needs() -> None:
+    # 4 seeds, per-seed sd 0.05: (t(0.975, 3) 3.1824 + t(0.8, 3) 0.9785) x 0.05 / 2 = 0.1040
+    assert st.t_mde(0.05, 4) == pytest.approx(4.1609 * 0.025, abs=1e-4)
+    assert math.isnan(st.t_mde(0.05, 1))
+    # MDE <= 0.07 at sd 0.05: 6 seeds (2.5706 + 0.9195) x 0.05 / 2.4495 = 0.0712 miss; 7 seeds (2.4469 + 0.9057) x
+    # 0.05 / 2.6458 = 0.0634 meet it
+    assert st.seeds_needed(0.05, 0.07) == 7
+    assert st.seeds_needed(0.05, -0.07) == 7          # the size of an effect, either sign
+    assert st.seeds_needed(1.0, 0.01, most=50) is None
+
+
+def test_verdict_lines_name_the_test_the_verdict_and_the_seeds_it_would_take() -> None:
+    # per-seed differences 0.05, 0.07, 0.09, 0.11: mean 0.08, sd sqrt(0.002 / 3) = 0.02582, se 0.01291, t 6.197 on 3
+    # df: p 0.0085; 95% interval 0.08 -/+ 3.1824 x 0.01291 = [0.039, 0.121]
+    test = st.seed_t_test(np.array([[0.05], [0.07], [0.09], [0.11]]))
+    assert test.t == pytest.approx(6.197, abs=1e-3) and test.p == pytest.approx(0.0085, abs=1e-4)
+    line = st.verdict_line("content: grpo - format", test, test.p, True, st.t_mde(0.02582, 4), 0.07)
+    assert line == "content: grpo - format: +0.080 [+0.039, +0.121], seed-level t-test p 0.0085 -> shown"
+    # the same spread around 0: -0.03, -0.01, 0.01, 0.03: mean 0, p 1; MDE 4.1609 x 0.01291 = 0.0537 <= 0.07
+    null = st.seed_t_test(np.array([[-0.03], [-0.01], [0.01], [0.03]]))
+    assert st.verdict_line("c", null, 0.5, False, st.t_mde(0.02582, 4), 0.07) == (
+        "c: +0.000 [-0.041, +0.041], seed-level t-test p 1, adjusted 0.5 -> not shown (the MDE was 0.054 <= 0.07)")
+    # a wide spread: MDE 0.2 > 0.07, with the seeds that would give 0.07
+    assert st.verdict_line("c", null, null.p, False, 0.2, 0.07, 33).endswith(
+        "-> within noise at an MDE of 0.200; 33 seeds would give an MDE of 0.07")
+    assert st.verdict_line("c", null, null.p, False, 0.2, 0.07, None).endswith(
+        "no design of up to 500 seeds gives an MDE of 0.07")

@@ -61,3 +61,29 @@ def test_reward_inputs_are_checked_and_names_listed():
     with pytest.raises(UnknownNameError, match="math_equiv"):
         compute_rewards("math", [], [], [])
     assert set(REWARDS.names()) >= {"reference", "math_equiv"}
+
+
+def test_format_only_reward_scores_the_format_alone():
+    # the task reward's format term without its correctness term: -1 malformed or no answer, 0 well-formed (right or
+    # wrong, with or without both tools: no bonus either); `correct` is still graded for the accuracy metric
+    cases = [
+        (answer("\\frac{1}{2}"), "0.5", "math", 0.0, True),             # right (math-verify) -> 0, not 1
+        (SEARCH + PYTHON + answer("\\frac{1}{2}"), "0.5", "math", 0.0, True),  # no multi-tool bonus
+        (answer("3"), "0.5", "math", 0.0, False),                       # wrong but well-formed -> 0, as right
+        ("<think>x</think>0.5", "0.5", "math", -1.0, False),            # no <answer>: the format penalty
+        ("<think>x</think><answer>0.5</answer>", "0.5", "math", -1.0, False),  # no \boxed{}: the penalty
+        (answer("Paris"), "Paris", "qa", 0.0, True),                    # qa: exact match graded, not rewarded
+        (answer("London"), "Paris", "qa", 0.0, False),
+    ]
+    rewards = compute_rewards("format_only", [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases])
+    assert [r.score for r in rewards] == [c[3] for c in cases]
+    assert [r.correct for r in rewards] == [c[4] for c in cases]
+    assert rewards[0].reason == "format ok, correctness not rewarded" and rewards[0].answer == "\\frac{1}{2}"
+    assert "format_only" in REWARDS.names()
+
+
+def test_format_only_is_selectable_by_config():
+    from stages.core.config.loader import load_config
+
+    cfg = load_config("tiny-cpu", ["rl.trainer.reward=format_only"])
+    assert cfg.rl.trainer.reward == "format_only"

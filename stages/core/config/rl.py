@@ -149,8 +149,8 @@ class OptimSection(Section):
 
 
 AlarmName = Literal["tool_collapse", "tool_unused", "entropy_collapse", "format_errors_rising", "reward_at_floor",
-                   "no_signal_groups", "reward_collapse", "nonfinite_loss", "infra_failures", "trees_dropped",
-                   "sampler_drift"]
+                   "no_signal_groups", "reward_collapse", "formed_but_wrong", "nonfinite_loss", "infra_failures",
+                   "trees_dropped", "sampler_drift"]
 
 
 class AlarmSection(Section):
@@ -181,6 +181,10 @@ class AlarmSection(Section):
                                       "more had all-equal rewards (zero advantage) for `window` steps in a row")
     reward_drop: float = Field(0.5, ge=0, description="reward_collapse: mean reward this far below its best earlier "
                                "value")
+    formed_max_format_error: float = Field(0.25, ge=0, le=1, description="formed_but_wrong compares only steps "
+                                           "whose format-error rate is at most this (mostly well-formed answers) ...")
+    formed_accuracy_drop: float = Field(0.5, ge=0, le=1, description="... and fires when such a step's accuracy "
+                                        "among well-formed answers is this far below the best of an earlier one")
     window: int = Field(3, ge=1, description="steps the sustained alarms look at (format errors, floor, no signal)")
     infra_share: float = Field(0.2, ge=0, le=1, description="infra_failures: at least this share of a step's "
                                "trajectories was touched by a tool infrastructure failure (search provider, "
@@ -220,7 +224,8 @@ class TrainerSection(Section):
     keep_optimizer_state: bool = Field(False, description="keep the final checkpoint's optimizer state when the "
                                        "stage finishes (twice the model in fp32 AdamW; only continuing the run by "
                                        "hand needs it)")
-    reward: str = Field("reference", description="reward function: reference | math_equiv",
+    reward: str = Field("reference", description="reward function: reference | math_equiv | format_only (the "
+                        "format penalty alone, no correctness: the learning bench's control arm)",
                         json_schema_extra=registry("reward function"))
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass instead of "
                                          "keeping them: less memory, a slower update (verl: "
