@@ -13,7 +13,7 @@ from typing import Any
 from stages.agent.prompt_templates import build_messages
 from stages.agent.protocol import check_format, count_tool_calls
 from stages.core.config.agent import AgentSection
-from stages.core.config.generation import GenerationSettings
+from stages.core.config.generation import DEFAULT_GENERATE_TIMEOUT_S, GenerationSettings
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.rl_parquet import RLRow
 
@@ -45,7 +45,7 @@ def sampling_settings(n: int, temperature: float, max_new_tokens: int, call_limi
     return GenerationSettings(n=n, call_limit=call_limit, temperature=temperature, top_p=1.0, top_k=-1,
                               max_prompt_length=max_prompt_length, max_response_length=max_new_tokens,
                               prompt_overflow="skip", backend=backend, kv_reuse=True, entropy_quantity="topk",
-                              entropy_topk=10)
+                              entropy_topk=10, generate_timeout_s=DEFAULT_GENERATE_TIMEOUT_S)
 
 
 def sample(policy: ModelRef | CheckpointRef, tasks: Sequence[dict[str, Any]], agent: AgentSection, data: DatasetRef,

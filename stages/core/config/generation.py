@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the rollout default of generate_timeout_s (RolloutSection), which SFT's and the held-out check's samples take too
+DEFAULT_GENERATE_TIMEOUT_S = 1800.0
+
 
 @dataclass(frozen=True)
 class GenerationSettings:

@@ -5,7 +5,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from stages.core.algorithm_spec import ALGORITHMS, foreign_settings
-from stages.core.config.generation import GenerationSettings
+from stages.core.config.generation import DEFAULT_GENERATE_TIMEOUT_S, GenerationSettings
 from stages.core.config.rl_engine import VerlSection
 from stages.core.config.section import Section, registry, used_when
 from stages.core.engine_spec import ENGINES
@@ -64,7 +64,7 @@ class RolloutSection(Section):
                            "them with branches; false re-prefills every context each round (baseline)",
                            json_schema_extra=used_when(backend="transformers"))
     generate_timeout_s: float | None = Field(
-        1800.0, gt=0, description="a generate request with no answer this long is an infrastructure failure. verl: "
+        DEFAULT_GENERATE_TIMEOUT_S, gt=0, description="a generate request with no answer this long is an infrastructure failure. verl: "
         "the request's tree is dropped and counted (rollout/trees_dropped_infra); local engine: the step stops "
         "with the error and every thread's stack in the stage folder (re-running resumes). Above a whole "
         "response's decode time (max_response_length tokens); None = wait forever")
