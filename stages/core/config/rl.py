@@ -64,8 +64,9 @@ class RolloutSection(Section):
                            "them with branches; false re-prefills every context each round (baseline)",
                            json_schema_extra=used_when(backend="transformers"))
     generate_timeout_s: float | None = Field(
-        DEFAULT_GENERATE_TIMEOUT_S, gt=0, description="a generate request with no answer this long is an infrastructure failure. verl: "
-        "the request's tree is dropped and counted (rollout/trees_dropped_infra); local engine: the step stops "
+        DEFAULT_GENERATE_TIMEOUT_S, gt=0,
+        description="a generate request with no answer this long is an infrastructure failure. verl: the request's "
+        "tree is dropped and counted (rollout/trees_dropped_infra); local engine: the step stops "
         "with the error and every thread's stack in the stage folder (re-running resumes). Above a whole "
         "response's decode time (max_response_length tokens); None = wait forever")
 
