@@ -108,6 +108,10 @@ class ToolLimitsSection(Section):
     reject_repeated_queries: bool = Field(
         True, description="a search query already made in this trajectory gets a 'refer to previous results' note")
 
+    def per_tool(self, tool: str) -> int | None:
+        """The cap on calls to `tool` (None: only the total applies); each capped tool named once, here."""
+        return {"python": self.max_python, "search": self.max_search}.get(tool)
+
 
 class ToolCacheSection(Section):
     """A SQLite cache of tool results shared by every stage on the cache root (stages/agent/cache.py)."""
