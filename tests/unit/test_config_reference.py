@@ -4,15 +4,13 @@ stages.eval.benchmark_table)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from typing import Literal
 
 from pydantic import Field
 
 from stages.core.config import reference
 from stages.core.config.section import Section, registry, used_when
-from stages.core.env import PROJECT_ROOT
+from stages.core.doc_block import DOCS_COMMAND
 from stages.core.inputs import input_file
 from stages.eval import benchmark_table
 
@@ -60,17 +58,9 @@ def test_a_section_shared_by_several_keys_is_shown_once() -> None:
     assert len(tables["rl.optim"].rows) == len(tables["rl.optim"].model.model_fields)
 
 
-def test_docs_config_md_is_up_to_date() -> None:
-    # in a fresh process: the registries as the code defines them (a test may register a name of its own, e.g.
-    # test_rl_trainer's reward function, into this session's registry)
-    check = subprocess.run([sys.executable, "-m", "stages.core.config.reference", "--check"], cwd=PROJECT_ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert check.returncode == 0, f"docs/config.md is stale: run `{reference.COMMAND}`\n{check.stdout}{check.stderr}"
-
-
 def test_docs_eval_md_benchmark_tables_are_up_to_date() -> None:
     text = benchmark_table.DOC.read_text(encoding="utf-8")
     assert text == benchmark_table.render(text), f"docs/eval.md's benchmark table is stale: run " \
-                                                 f"`{benchmark_table.COMMAND}`"
+                                                 f"`{DOCS_COMMAND}`"
     for name in benchmark_table.BENCHMARKS:
         assert f"\n| {name} |" in text

@@ -269,7 +269,7 @@ def test_prefect_yaml_holds_the_generated_stage_deployments() -> None:
     from flows.deployments import PREFECT_YAML, stage_deployments, written_stage_deployments
 
     assert written_stage_deployments(PREFECT_YAML.read_text()) == stage_deployments(), \
-        "prefect.yaml is out of date: run `python -m flows.deployments --write`"
+        "prefect.yaml is out of date: run `python -m flows.cli docs --write`"
     project = yaml.safe_load(PREFECT_YAML.read_text())
     stage = {d["name"]: d for d in project["deployments"] if d["name"].startswith("stage-")}
     assert tuple(stage) == DEPLOYMENTS
