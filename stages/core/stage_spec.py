@@ -30,7 +30,7 @@ MEMORY = "stages.cost.memory:check_memory"            # a verl run whose memory 
 BENCHMARKS = "stages.eval.preflight:preflight_benchmarks"     # every configured benchmark's files
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageSpec:
     """name: the stage's name, its output folder under run.output_root and its Prefect task name.
     sections: the config sections it reads (their input files are checked before a run that includes it; its key
@@ -79,20 +79,27 @@ class StageSpec:
 
 STAGE_SPECS: tuple[StageSpec, ...] = (
     # data first: a bad data file fails in seconds, before a model is downloaded or converted
-    StageSpec("data", ("data",), "stages.data.prepare:prepare_data", "data_key"),
-    StageSpec("bootstrap", ("model",), "stages.bootstrap.model:bootstrap_model", "bootstrap_key", retries=2),
-    StageSpec("sft", ("sft", "agent"), "stages.sft.stage:run_sft", "sft_key", isolatable=True, checks=(SEAMS,)),
-    StageSpec("dpo", ("sft", "agent"), "stages.sft.dpo:run_dpo", "dpo_key", isolatable=True, part_of="sft"),
-    StageSpec("rl", ("rl", "agent"), "stages.rl.stage:run_rl", "rl_key", isolatable=True, checks=(SEAMS, MEMORY),
+    StageSpec(name="data", sections=("data",), entry="stages.data.prepare:prepare_data", key="data_key"),
+    StageSpec(name="bootstrap", sections=("model",), entry="stages.bootstrap.model:bootstrap_model",
+              key="bootstrap_key", retries=2),
+    StageSpec(name="sft", sections=("sft", "agent"), entry="stages.sft.stage:run_sft", key="sft_key", isolatable=True,
+              checks=(SEAMS,)),
+    StageSpec(name="dpo", sections=("sft", "agent"), entry="stages.sft.dpo:run_dpo", key="dpo_key", isolatable=True,
+              part_of="sft"),
+    StageSpec(name="rl", sections=("rl", "agent"), entry="stages.rl.stage:run_rl", key="rl_key", isolatable=True,
+              checks=(SEAMS, MEMORY),
               interpreter_hint="./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
                                ".venv-verl-cpu"),
-    StageSpec("merge", ("merge",), "stages.rl.merge:merge_checkpoint", "merge_key", isolatable=True),
-    StageSpec("heldout", ("eval", "agent"), "stages.heldout.evaluate:evaluate_heldout", "heldout_key",
-              checks=(SEAMS,)),
-    StageSpec("infer", ("eval", "agent", "serve"), "stages.eval.inference:run_inference", "infer_key", group="eval",
-              checks=(SEAMS, BENCHMARKS)),
-    StageSpec("score", ("eval",), "stages.eval.scoring:score_predictions", "scoring_key", group="eval"),
-    StageSpec("report", ("eval",), "stages.eval.report:build_report", "report_key", group="eval"),
+    StageSpec(name="merge", sections=("merge",), entry="stages.rl.merge:merge_checkpoint", key="merge_key",
+              isolatable=True),
+    StageSpec(name="heldout", sections=("eval", "agent"), entry="stages.heldout.evaluate:evaluate_heldout",
+              key="heldout_key", checks=(SEAMS,)),
+    StageSpec(name="infer", sections=("eval", "agent", "serve"), entry="stages.eval.inference:run_inference",
+              key="infer_key", group="eval", checks=(SEAMS, BENCHMARKS)),
+    StageSpec(name="score", sections=("eval",), entry="stages.eval.scoring:score_predictions", key="scoring_key",
+              group="eval"),
+    StageSpec(name="report", sections=("eval",), entry="stages.eval.report:build_report", key="report_key",
+              group="eval"),
 )
 
 

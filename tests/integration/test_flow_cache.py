@@ -110,7 +110,7 @@ def test_a_stage_added_as_one_line_runs_cached_in_a_flow(tmp_path: Path, monkeyp
     (tmp_path / "distill_flow_stage" / "hook.py").write_text(HOOK)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(publish, "HOOKS", dict(publish.HOOKS))
-    line = StageSpec("distill", ("rl",), "distill_flow_stage.stage:run_distill", "distill_key")
+    line = StageSpec(name="distill", sections=("rl",), entry="distill_flow_stage.stage:run_distill", key="distill_key")
     specs = list(STAGE_SPECS)
     specs.insert(specs.index(SPECS["rl"]) + 1, line)
     monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(specs)))

@@ -134,7 +134,8 @@ def distill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StageSpec:
     (tmp_path / "distill_stage" / "__init__.py").write_text("")
     (tmp_path / "distill_stage" / "stage.py").write_text(DISTILL)
     monkeypatch.syspath_prepend(str(tmp_path))
-    line = StageSpec("distill", ("rl",), "distill_stage.stage:run_distill", "distill_key", isolatable=True)
+    line = StageSpec(name="distill", sections=("rl",), entry="distill_stage.stage:run_distill", key="distill_key",
+                     isolatable=True)
     specs = list(STAGE_SPECS)
     specs.insert(specs.index(SPECS["rl"]) + 1, line)
     monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(specs)))
@@ -333,3 +334,17 @@ def test_inputs_are_checked_for_the_sections_the_selected_stages_read(tmp_path) 
     verl = load_config("tiny-cpu", [f"run.interpreters={{rl: {tmp_path / 'nope' / 'python'}}}"])
     with pytest.raises(InputError, match=r"\(./scripts/setup-gpu.sh builds .venv-verl"):  # the table's hint
         check_inputs(verl, ["rl"])
+
+
+def test_the_tables_rows_name_every_value() -> None:
+    # a row of ten positional values reads as a list of numbers: each table's row type takes keywords only
+    from stages.core.algorithm_spec import AlgorithmSpec
+    from stages.core.engine_spec import EngineSpec
+    from stages.core.tracking.backends import BackendLine
+    from stages.eval.benchmarks import BenchmarkSpec, HubSource
+    from stages.rl.reference_code import ReferenceSetting
+
+    for row in (StageSpec, AlgorithmSpec, EngineSpec, BackendLine, BenchmarkSpec, HubSource, ReferenceSetting):
+        assert all(f.kw_only for f in dataclasses.fields(row)), row.__name__
+    with pytest.raises(TypeError, match="positional"):
+        StageSpec("data", ("data",), "stages.data.prepare:prepare_data", "data_key")  # type: ignore[misc]

@@ -24,7 +24,7 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackendLine:
     """name: the config value; module: the module holding its `Backend` class (imported when used); verl_logger:
     its name in verl's trainer.logger (verl/utils/tracking.py Tracking.supported_backend), None when verl has none;
@@ -39,11 +39,13 @@ class BackendLine:
 
 
 TRACKING_BACKENDS: Registry[BackendLine] = Registry("tracking backend")
-for _line in (BackendLine("none", None, None, "none"),
-              BackendLine("mlflow", "stages.core.tracking.mlflow_backend", "mlflow", "mlflow", "mlflow"),
-              BackendLine("wandb", "stages.core.tracking.wandb_backend", "wandb", "wandb", "wandb"),
-              BackendLine("tensorboard", "stages.core.tracking.tensorboard_backend", "tensorboard", "tensorboard",
-                          "tensorboard")):
+for _line in (BackendLine(name="none", module=None, verl_logger=None, report_to="none"),
+              BackendLine(name="mlflow", module="stages.core.tracking.mlflow_backend", verl_logger="mlflow",
+                          report_to="mlflow", local_folder="mlflow"),
+              BackendLine(name="wandb", module="stages.core.tracking.wandb_backend", verl_logger="wandb",
+                          report_to="wandb", local_folder="wandb"),
+              BackendLine(name="tensorboard", module="stages.core.tracking.tensorboard_backend",
+                          verl_logger="tensorboard", report_to="tensorboard", local_folder="tensorboard")):
     TRACKING_BACKENDS.register(_line.name)(_line)
 
 
