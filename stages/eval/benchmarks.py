@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.core.atomic import read_jsonl
 from stages.core.errors import BadInputError, MissingInputError
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
@@ -326,14 +327,7 @@ def _read_json_lines(path: Path) -> list[dict[str, Any]]:
             raise BadInputError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); a file starting with '[' must be "
                                 "one JSON list of rows") from err
     else:
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise BadInputError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
+        rows = read_jsonl(path)
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise BadInputError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")

@@ -93,3 +93,21 @@ def test_arpo_plan_prints_the_estimate(capsys):
                                                              "basis": "exact", "error": 0.0, "note": ""}
     assert main(["plan", "-p", "tiny-cpu", "-o", "run.output_root=/nonexistent"]) == 0
     assert "| trajectories | 8 | 16 | exact |" in capsys.readouterr().out
+
+
+def test_a_plan_generates_the_synthetic_world_once(monkeypatch: pytest.MonkeyPatch):
+    # the train rows and the synthetic benchmark's questions both come from one generation of the task world
+    from stages.cost import inputs
+    from stages.data import synthetic
+
+    calls = []
+    real = synthetic.generate
+    monkeypatch.setattr(synthetic, "generate", lambda section: calls.append(section) or real(section))
+    inputs._synthetic_splits.cache_clear()
+    cfg = load_config("tiny-cpu", [f"run.output_root={Path('/nonexistent')}"])
+    world = real(cfg.data.synthetic)
+    est = plan_run(cfg, measured=None)
+    assert len(calls) == 1
+    train = sum(task.split == "train" for task in world.tasks)
+    assert f"{train} training prompts" in est.assumptions[0]
+    inputs._synthetic_splits.cache_clear()
