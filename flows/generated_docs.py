@@ -57,13 +57,13 @@ def _branch_rules(text: str) -> str:
 
 
 def _config_reference(text: str) -> str:
-    from stages.core.config.reference import render
+    from stages.core.config.config_doc import render
 
     return render()  # the whole page
 
 
 def _undescribed() -> list[str]:
-    from stages.core.config.reference import undocumented
+    from stages.core.config.config_doc import undocumented
 
     return [f"{key} has no description; give its Field(...) one" for key in undocumented()]
 
@@ -94,7 +94,7 @@ GENERATED: tuple[GeneratedDoc, ...] = (
                  source="the stage table (`stages/core/stage_spec.py`); `prefect.toml`'s heartbeat "
                         "(`flows.deployments`)", render=_deployments),
     GeneratedDoc(path="docs/config.md", blocks="the whole page: every config key",
-                 source="the config models (`stages.core.config.reference`)", render=_config_reference,
+                 source="the config models (`stages.core.config.config_doc`)", render=_config_reference,
                  problems=_undescribed),
     GeneratedDoc(path="docs/caching.md", blocks="what each stage key covers",
                  source="the key modules' imports (`stages.core.key_coverage`)", render=_key_coverage,

@@ -26,7 +26,7 @@ if (( free_kib < 8 * 1024 * 1024 )); then
 fi
 # lint first (ruff, pinned in the test extra; config in pyproject.toml): well under a second
 .venv/bin/ruff check .
-# every generated docs block (flows/generated_docs.py: config reference, key coverage, deployments, ...) is current:
+# every generated docs block (flows/generated_docs.py: the config page, key coverage, deployments, ...) is current:
 # a few seconds; `python -m flows.cli docs --write` rewrites the stale ones
 .venv/bin/python -m flows.cli docs --check
 # Two workers: most tests run one single-threaded process at a time (tiny model, one torch thread), so two lanes

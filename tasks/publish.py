@@ -1,7 +1,7 @@
 """What the stage tasks publish to the Prefect UI once their entry point returns, and the `eval-scores` table the flow
 republishes while the benchmarks are scored.
 
-A stage's hook is registered here with `@publishes("<stage>")`: `tasks.common.entry_task` calls it with the entry's
+A stage's hook is registered here with `@publishes("<stage>")`: `tasks.stage_tasks.entry_task` calls it with the entry's
 result and, as keywords, the entry inputs the hook names (its keyword-only parameters). Those names are checked when
 this module loads against the parameters of the entry point the stage's line names (stages/core/stage_spec.py), so
 renaming an entry parameter a hook reads fails the import, not a finished run. A hook runs only for the task its

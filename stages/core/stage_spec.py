@@ -3,7 +3,7 @@
 Derived from it: the stage order and the names `--only/--until/--refresh` take (stages.core.selection), the
 `StageName` type of the flow parameters, which config sections' input files are checked before a run and which other
 pre-flight checks run (stages.core.preflight), which stages may run under another interpreter (run.interpreters),
-each stage task (tasks.common.entry_task: its entry point, key function, output folder and retries; the task's
+each stage task (tasks.stage_tasks.entry_task: its entry point, key function, output folder and retries; the task's
 name is the stage's, the folder under run.output_root too), and the `stage-<name>` deployments (the generated
 section of prefect.yaml: `python -m flows.cli docs --write`, checked by tests/unit/test_stage_spec.py). What a
 stage's task publishes is not a line's field: the task layer registers its hook, `@publishes("<stage>")` in

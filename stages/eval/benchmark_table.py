@@ -3,7 +3,7 @@ per `BenchmarkSpec` and one per gold-answer parser, between `<!-- benchmark-tabl
 `<!-- benchmark-table:end -->`.
 
 Rewritten and checked with every other generated block: `python -m flows.cli docs --write` (flows/generated_docs.py);
-tests/unit/test_config_reference.py fails when the page differs from the registry.
+tests/unit/test_config_doc.py fails when the page differs from the registry.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from stages.core.config.loader import ConfigError, load_config
 from stages.core.refs import DatasetRef
 from stages.core.selection import select_stages
 from stages.data.prepare import data_key
-from tasks.common import call_stage, entry_task, forced, run_stage, stage_task
+from tasks.stage_tasks import call_stage, entry_task, forced, run_stage, stage_task
 from tests.conftest import PROJECT_ROOT, TEST_OUTPUTS
 
 
@@ -101,7 +101,7 @@ def test_a_stage_added_as_one_line_runs_cached_in_a_flow(tmp_path: Path, monkeyp
     from stages.core.refs import CheckpointRef
     from stages.core.stage_spec import SPECS, STAGE_SPECS, StageSpec, StageTable
     from tasks import publish
-    from tasks.common import StageRunner
+    from tasks.stage_tasks import StageRunner
     from tests.unit.test_stage_spec import DISTILL, HOOK
 
     (tmp_path / "distill_flow_stage").mkdir()

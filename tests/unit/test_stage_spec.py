@@ -56,7 +56,7 @@ def test_the_order_and_names_come_from_the_table() -> None:
 
 
 def test_a_misspelled_stage_name_fails_with_the_nearest_names() -> None:
-    from tasks.common import entry_task, stage_task
+    from tasks.stage_tasks import entry_task, stage_task
 
     with pytest.raises(SelectionError, match=r"unknown stage 'sftt' \(did you mean 'sft'\?\)"):
         select_stages(only=["sftt"])
@@ -94,7 +94,7 @@ def test_a_stage_with_two_lines_fails_when_the_table_is_built() -> None:
 
 
 def test_a_stage_without_a_module_of_its_own_gets_its_task_from_its_line() -> None:
-    from tasks.common import StageKey, entry_task
+    from tasks.stage_tasks import StageKey, entry_task
 
     heldout = entry_task("heldout", "sft")   # the flow runs heldout once per policy: the run is named after it
     assert (heldout.name, heldout.task_run_name, entry_task("heldout").task_run_name) == ("heldout", "heldout-sft",
@@ -146,7 +146,7 @@ def test_a_new_stage_is_one_line_and_its_package(distill: StageSpec, tmp_path: P
     from flows.deployments import stage_deployments
     from stages.core.config.loader import load_config
     from stages.core.preflight import preflight
-    from tasks.common import StageKey, StageRunner, cache_key, entry_task
+    from tasks.stage_tasks import StageKey, StageRunner, cache_key, entry_task
 
     table = stage_spec.table()
     assert table.stages == ("data", "bootstrap", "sft", "rl", "distill", "merge", "heldout", "infer", "score",
@@ -250,7 +250,7 @@ def test_one_stage_call_looks_its_line_up_once(distill: StageSpec, tmp_path: Pat
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from stages.core.config.loader import load_config
     from stages.core.refs import CheckpointRef
-    from tasks.common import StageRunner, _refreshes, entry_task
+    from tasks.stage_tasks import StageRunner, _refreshes, entry_task
 
     cfg = load_config("tiny-cpu", [])
     lookups = []
@@ -293,7 +293,7 @@ def _folder_names(module: str) -> set[str]:
 
 @pytest.mark.parametrize("spec", STAGE_SPECS, ids=lambda s: s.name)
 def test_each_stage_writes_the_folder_named_after_it_with_the_key_the_table_names(spec: StageSpec) -> None:
-    from tasks.common import StageKey, entry_task
+    from tasks.stage_tasks import StageKey, entry_task
 
     module = importlib.import_module(spec.module)
     assert callable(getattr(module, spec.entry.partition(":")[2])) and callable(getattr(module, spec.key))

@@ -1,4 +1,4 @@
-"""The config reference, docs/config.md, made from the config models (never typed): every section's fields with
+"""The config page, docs/config.md, made from the config models (never typed): every section's fields with
 their type, default, bounds, description and when they are used.
 
 The models are the one place a default and its description live (CONTRIBUTING.md, Conventions); this page is
@@ -9,7 +9,7 @@ any work; `unread`: read by a tool outside). A section whose model and default a
 links there instead of repeating the table (`eval.judge.serve` is a `serve`).
 
 Rewritten and checked with every other generated block: `python -m flows.cli docs --write` (flows/generated_docs.py),
-which also fails on a field without a description (`undocumented`); so does tests/unit/test_config_reference.py.
+which also fails on a field without a description (`undocumented`); so does tests/unit/test_config_doc.py.
 """
 
 from __future__ import annotations
@@ -204,9 +204,9 @@ def _intro(table: Table) -> list[str]:
 
 
 def render() -> str:
-    out = ["# Config reference", "",
+    out = ["# Config keys", "",
            f"Generated from the config models (`stages/core/config/`) by `{DOCS_COMMAND}`: do not edit it by hand "
-           "(`tests/unit/test_config_reference.py` fails when it is stale or a field has no description). The "
+           "(`tests/unit/test_config_doc.py` fails when it is stale or a field has no description). The "
            "models hold every default, once; a profile (`configs/profiles/`) states only what differs from them, "
            "and `arpo config show --diff -p NAME` lists what it changes.", "",
            "Columns: **bounds** are the checks a value must pass when the config loads (a registry's names are "

@@ -1,5 +1,5 @@
-"""What every stage task shares: the one cache key, retries, how a forced refresh is applied, and the stage table's
-line read off the task (its name is the stage's).
+"""The stage tasks: how a stage's Prefect task is made and called. What every stage task shares: the one cache key,
+retries, how a forced refresh is applied, and the stage table's line, which the task holds.
 
 Built from the table (stages/core/stage_spec.py): `entry_task("<stage>")` is a stage's task, made from its line:
 the entry point's parameters, cached on the key function the line names, then the hook the task layer registered
@@ -265,7 +265,7 @@ def call_entry(python: str | None = None, force: bool | None = None, **kwargs: A
     this task run recomputes, `forced()`), here or under the interpreter `python`."""
     line = _RUNNING.get()
     if line is None:
-        raise RuntimeError("call_entry runs inside the task of a stage in the table (tasks.common.stage_task)")
+        raise RuntimeError("call_entry runs inside the task of a stage in the table (tasks.stage_tasks.stage_task)")
     return call_stage(line.entry, python, **kwargs, force=forced() if force is None else force)
 
 
