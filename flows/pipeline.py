@@ -18,7 +18,7 @@ from prefect import flow
 
 from flows.evaluate import FANOUT
 from stages.core.config.loader import Override, Profile, load_config
-from stages.core.inputs import check_rl_rows
+from stages.core.input_files import check_rl_rows
 from stages.core.preflight import after_bootstrap, preflight
 from stages.core.selection import StageName, select_stages
 from tasks.cost import cost_plan_task

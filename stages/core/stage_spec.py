@@ -92,7 +92,7 @@ STAGE_SPECS: tuple[StageSpec, ...] = (
                                ".venv-verl-cpu"),
     StageSpec(name="merge", sections=("merge",), entry="stages.rl.merge:merge_checkpoint", key="merge_key",
               isolatable=True),
-    StageSpec(name="heldout", sections=("eval", "agent"), entry="stages.heldout.evaluate:evaluate_heldout",
+    StageSpec(name="heldout", sections=("eval", "agent"), entry="stages.heldout.stage:evaluate_heldout",
               key="heldout_key", checks=(SEAMS,)),
     StageSpec(name="infer", sections=("eval", "agent", "serve"), entry="stages.eval.inference:run_inference",
               key="infer_key", group="eval", checks=(SEAMS, BENCHMARKS)),

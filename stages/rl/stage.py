@@ -18,7 +18,7 @@ from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.fingerprint import hash_value
-from stages.core.inputs import check_rl_rows
+from stages.core.input_files import check_rl_rows
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.tracking.context import CARD_FILE  # written before any work

@@ -11,7 +11,7 @@ from pydantic import Field
 from stages.core.config import config_doc
 from stages.core.config.section import Section, registry, used_when
 from stages.core.doc_block import DOCS_COMMAND
-from stages.core.inputs import input_file
+from stages.core.input_files import input_file
 from stages.eval import benchmark_table
 
 

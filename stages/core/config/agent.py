@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from stages.core.config.browse import BrowseSection, SummarizerSection
 from stages.core.config.section import Section, registry, used_when
-from stages.core.inputs import input_file
+from stages.core.input_files import input_file
 
 
 class PythonToolSection(Section):
