@@ -273,8 +273,7 @@ def entry_task(stage: str, label: str | None = None) -> Task:
     """The task of stage `stage`, built from its line: the entry's parameters (without `force`; with `python` when
     the stage may run under another interpreter), cached on the line's key function, retried `retries` times; once
     the entry returns, the stage's publish hook (tasks/publish.py) gets the result and the inputs it names. `label`
-    names the task run
-    `<stage>-<label>` (`heldout-sft`: the flow runs heldout once per policy) and is in no key."""
+    names the task run `<stage>-<label>` (`heldout-sft`: the flow runs heldout once per policy) and is in no key."""
     built = _entry_task(spec(stage))
     return built.with_options(task_run_name=f"{stage}-{label}") if label else built
 
