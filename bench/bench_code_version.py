@@ -26,7 +26,7 @@ from stages.core.codeversion import STAGES, CodeIndex, code_version  # noqa: E40
 
 ENTRIES = ("stages.bootstrap.model", "stages.data.prepare", "stages.sft.stage", "stages.sft.dpo", "stages.rl.stage",
            "stages.rl.merge", "stages.eval.inference", "stages.eval.scoring", "stages.eval.report",
-           "stages.heldout.evaluate")
+           "stages.heldout.stage")
 
 
 def median_s(fn, repeats: int) -> float:

@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import write_result  # noqa: E402
 from flows.server import toml_on_port  # noqa: E402
+from stages.core.env import PROJECT_ROOT  # noqa: E402
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENTS = (".venv", ".venv-vllm")
 FLOW_START = "profile "  # `arpo run` prints "profile <name>: <stages>" right before it calls the flow
 # the cold run's steps, from its task runs' names (a name's prefix: what it belongs to)

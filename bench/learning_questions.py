@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from stages.core.env import PROJECT_ROOT
+
 PER_QUESTION_DIR = PROJECT_ROOT / "bench" / "results" / "per-question"
 DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 SFT = "sft"

@@ -29,7 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from stages.core.env import PROJECT_ROOT
+
 RESULTS_DIR = PROJECT_ROOT / "bench" / "results"
 HISTORY = "history"  # bench/results/history/: records kept for the page's history, not in the summary table
 DOC = PROJECT_ROOT / "docs" / "benchmarks.md"  # the summary table's page

@@ -3,8 +3,8 @@ the file's two generated sections, each between two marker lines, never typed: t
 `stage-<name>` per deployment of the stage table (stages/core/stage_spec.py), and the work pools' job variables,
 which carry prefect.toml's heartbeat to every flow run a worker starts (a worker's flow run does not read the file).
 
-    python -m flows.deployments            # print the generated sections
-    python -m flows.deployments --write    # rewrite them in prefect.yaml (`arpo deploy` does this before registering)
+Rewritten and checked with every other generated block by `python -m flows.cli docs --write` (flows/generated_docs.py);
+`arpo deploy` rewrites them before registering.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ import sys
 from pathlib import Path
 
 from stages.core import services
+from stages.core.doc_block import DOCS_COMMAND
 from stages.core.env import PROJECT_ROOT, prefect_settings
 from stages.core.stage_spec import StageTable
 from stages.core.stage_spec import table as stage_table
 
 WORK_POOLS = {"arpo-cpu": None, "arpo-gpu": 1}  # pool -> concurrency limit (one GPU job at a time)
 PREFECT_YAML = PROJECT_ROOT / "prefect.yaml"
-START = "  # <stage-deployments:start> generated from stages/core/stage_spec.py: python -m flows.deployments --write"
+START = f"  # <stage-deployments:start> generated from stages/core/stage_spec.py: {DOCS_COMMAND}"
 END = "  # <stage-deployments:end>"
-JOB_START = "  # <job-variables:start> generated from prefect.toml: python -m flows.deployments --write"
+JOB_START = f"  # <job-variables:start> generated from prefect.toml: {DOCS_COMMAND}"
 JOB_END = "  # <job-variables:end>"
 
 
@@ -72,7 +73,7 @@ def job_variables() -> str:
 def _written(text: str, start: str, end: str, where: str) -> str:
     if start not in text or end not in text:
         raise ValueError(f"prefect.yaml has no generated {where} section: restore the lines {start!r} and {end!r}, "
-                         "then run python -m flows.deployments --write")
+                         f"then run {DOCS_COMMAND}")
     return text[text.index(start):text.index(end) + len(end)]
 
 
@@ -86,13 +87,18 @@ def written_job_variables(text: str) -> str:
     return _written(text, JOB_START, JOB_END, "job-variables")
 
 
+def render(text: str) -> str:
+    """prefect.yaml's `text` with both generated sections rewritten."""
+    new = text.replace(written_stage_deployments(text), stage_deployments())
+    return new.replace(written_job_variables(new), job_variables())
+
+
 def write_generated(path: Path = PREFECT_YAML) -> bool:
     """Rewrite both generated sections of `path`; True when it changed."""
     from stages.core.atomic import write_text
 
     text = path.read_text()
-    new = text.replace(written_stage_deployments(text), stage_deployments())
-    new = new.replace(written_job_variables(new), job_variables())
+    new = render(text)
     if new != text:
         write_text(path, new)
     return new != text
@@ -102,10 +108,3 @@ def start_worker(pool: str) -> services.Service:
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
     env = {"ARPO_PROJECT_ROOT": str(PROJECT_ROOT)}
     return services.start(f"worker-{pool}", cmd, health_url=None, env=env)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--write"]:
-        print("prefect.yaml: " + ("generated sections rewritten" if write_generated() else "up to date"))
-    else:
-        print(job_variables(), stage_deployments(), sep="\n")

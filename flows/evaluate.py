@@ -16,9 +16,9 @@ from prefect import Flow, flow
 from stages.core.config.loader import RunConfig
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef
 from stages.core.selection import StageName, select_stages
-from tasks.common import StageRunner, entry_task
 from tasks.eval_infer import submit_infer
 from tasks.publish import scores_as_they_finish
+from tasks.stage_tasks import StageRunner, entry_task
 
 
 @flow(name="evaluate", log_prints=True)

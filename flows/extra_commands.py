@@ -7,7 +7,10 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flows import generated_docs
+
     register_deploy(sub)
+    generated_docs.register(sub)
     retriever = sub.add_parser("retriever", help="serve a local search index on the FlashRAG HTTP API")
     retriever.add_argument("action", choices=["serve"])
     retriever.add_argument("rest", nargs=argparse.REMAINDER, help="options of the retriever server (see --help)")

@@ -2,7 +2,7 @@
 flow. Imported by flows/cli.py and flows/rehearse_commands.py, importing neither (no cycle in flows/).
 
 Nothing heavy is imported before the cache can answer: the config, the stage selection and the pre-flight are
-`stages.core` modules; Prefect comes with the flow, torch only when a stage task runs (tasks.common applies
+`stages.core` modules; Prefect comes with the flow, torch only when a stage task runs (tasks.stage_tasks applies
 `run.torch_threads` then).
 """
 
@@ -37,7 +37,7 @@ def run_pipeline(profile: str, overrides: list[str], args: argparse.Namespace, c
     if ui is None:  # while the temporary server boots on the other core: the tracker's library, which the flow's
         preload(cfg.tracking)  # first task imports (mlflow: 1.5 s of CPU), then wait for the server
         ephemeral_server_ready()
-    from tasks.common import TORCH_THREADS_ENV
+    from tasks.stage_tasks import TORCH_THREADS_ENV
 
     os.environ[TORCH_THREADS_ENV] = str(threads)  # torch's threads, applied when a stage task runs here
     print(f"profile {cfg.profile}: {selection.describe()}")
@@ -63,7 +63,7 @@ def import_flow() -> Any:
     """The pipeline flow, imported without the pandas import Prefect makes of its own accord: prefect 3.7.2's
     cache_policies.py (`_register_stable_transforms`, run at import, lines 33-46) imports pandas when it is installed,
     only to make DataFrame inputs hash stably under its INPUTS cache policy. No task here keys on its inputs that way
-    (stage tasks key on tasks.common.StageKey, the rest are NO_CACHE), and pandas is a third of a second of a cached
+    (stage tasks key on tasks.stage_tasks.StageKey, the rest are NO_CACHE), and pandas is a third of a second of a cached
     run's start-up on the 2-core box (docs/benchmarks.md, the tiny chain). Later imports of pandas (the report stage
     builds its tables with it) work as usual."""
     blocked = "pandas" not in sys.modules

@@ -18,14 +18,14 @@ from prefect import flow
 
 from flows.evaluate import FANOUT
 from stages.core.config.loader import Override, Profile, load_config
-from stages.core.inputs import check_rl_rows
+from stages.core.input_files import check_rl_rows
 from stages.core.preflight import after_bootstrap, preflight
 from stages.core.selection import StageName, select_stages
-from tasks.common import StageRunner, entry_task, run_stage
 from tasks.cost import cost_plan_task
 from tasks.eval_serve import judge_serve_task, serve_task, serving_needs_task, stop_task, summarizer_serve_task
 from tasks.rl import rl_task
 from tasks.run_record import record_config_task, summary_task
+from tasks.stage_tasks import StageRunner, entry_task, run_stage
 
 
 @flow(name="arpo-pipeline", log_prints=True)

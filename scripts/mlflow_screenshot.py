@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.core.env import PROJECT_ROOT, configure_environment  # noqa: E402
+from stages.core.tracking.context import CARD_FILE  # noqa: E402
 
 configure_environment()
 
@@ -103,7 +104,7 @@ def replayed(args: argparse.Namespace) -> dict[str, Path]:
         if algorithm not in ALGORITHMS or not (folder / "metrics.jsonl").is_file():
             raise SystemExit(f"--replay {item}: expected ALGO=RL_DIR with ALGO in {ALGORITHMS} and a metrics.jsonl "
                              "in RL_DIR")
-        card = folder / "algorithm_card.md"
+        card = folder / CARD_FILE
         if card.is_file() and not card.read_text().startswith(f"# Algorithm card: {algorithm} "):
             raise SystemExit(f"--replay {item}: {card} is not {algorithm}'s")
         folders[algorithm] = folder
@@ -187,8 +188,8 @@ def log(args: argparse.Namespace, folders: dict[str, Path]) -> None:
             if run.active:   # the folder the rows come from (stage_run's tag names the record's)
                 run.tracker.set_tags(run.run_id, {"arpo.stage_dir": str(folder),
                                                   "arpo.replayed_from": str(folder / "metrics.jsonl")})
-            if (folder / "algorithm_card.md").is_file():
-                run.log_artifact(folder / "algorithm_card.md")
+            if (folder / CARD_FILE).is_file():
+                run.log_artifact(folder / CARD_FILE)
             for row in rows:
                 tracking.log_step(row)
         finish_pipeline({}, ctx)

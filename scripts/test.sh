@@ -26,6 +26,9 @@ if (( free_kib < 8 * 1024 * 1024 )); then
 fi
 # lint first (ruff, pinned in the test extra; config in pyproject.toml): well under a second
 .venv/bin/ruff check .
+# every generated docs block (flows/generated_docs.py: the config page, key coverage, deployments, ...) is current:
+# a few seconds; `python -m flows.cli docs --write` rewrites the stale ones
+.venv/bin/python -m flows.cli docs --check
 # Two workers: most tests run one single-threaded process at a time (tiny model, one torch thread), so two lanes
 # use the two cores; tests/conftest.py orders and groups the work (longest modules first, one vLLM server).
 # `extended` (tests/integration/test_faults.py, ~4 min) is left out of the default suite: ./scripts/test.sh -m extended;

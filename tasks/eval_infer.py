@@ -16,8 +16,8 @@ from stages.core.config.eval import EvalSection
 from stages.core.refs import DatasetRef, EndpointRef, ModelRef, PredictionsRef
 from stages.core.selection import StageSelection
 from tasks.artifacts import publish_table
-from tasks.common import call_entry, forced, refreshed, stage_task
 from tasks.secrets import export_search_key
+from tasks.stage_tasks import call_entry, forced, refreshed, stage_task
 
 
 @stage_task("infer")

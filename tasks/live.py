@@ -1,6 +1,6 @@
 """A running stage, live in the Prefect UI: its log lines in the task run's logs, its reporter messages as artifacts.
 
-`install()` (tasks/common.py calls it on import) attaches two things that stay inert outside a Prefect run:
+`install()` (tasks/stage_tasks.py calls it on import) attaches two things that stay inert outside a Prefect run:
 - `RunLogForwarder`, a handler on the `arpo` logger that sends each record, with its level, to the current task
   run (or flow run): the stage's own lines, its ETA lines, and what it relays from subprocesses and from a
   child interpreter (stages/core/streams.py, stages/core/reporter.py);

@@ -1,10 +1,10 @@
 """The RL task: a cached stage call. RL publishes its progress, curves, rollout sample and alarms while it
 runs (stages.core.reporter -> tasks/live.py); the task publishes the run's algorithm card (`rl-algorithm-card`,
 stages/rl/card.py) before calling the stage, which is why it is written by hand (merge, with no card, is
-tasks.common.entry_task's).
+tasks.stage_tasks.entry_task's).
 
 `python` runs the stage under another interpreter (config `run.interpreters`, filled in by the flow's
-tasks.common.StageRunner); the entry point is the stage table's (`call_entry`); the key function asks that
+tasks.stage_tasks.StageRunner); the entry point is the stage table's (`call_entry`); the key function asks that
 interpreter what it needs of it (verl's version), and the RL settings that only watch the run (alarms, artifact
 refresh) are not part of the key (stages.rl.identity.training_identity, used by stages.rl.stage.rl_key).
 """
@@ -15,8 +15,8 @@ from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.artifacts import publish_table
-from tasks.common import call_entry, stage_task
 from tasks.secrets import export_search_key
+from tasks.stage_tasks import call_entry, stage_task
 
 
 @stage_task("rl")

@@ -70,6 +70,24 @@ def require_vllm_env() -> Path:
     return VLLM_PYTHON
 
 
+@pytest.fixture
+def recorded():
+    """The messages the stage reporter (stages.core.reporter) sends while the test runs, in order."""
+    from stages.core import reporter
+
+    class Recorder(reporter.Reporter):
+        def __init__(self) -> None:
+            self.messages: list[dict] = []
+
+        def handle(self, message: dict) -> None:
+            self.messages.append(message)
+
+    rec = Recorder()
+    previous = reporter.set_reporter(rec)
+    yield rec.messages
+    reporter.set_reporter(previous)
+
+
 @pytest.fixture(scope="session")
 def verl_cpu_python() -> Path:
     """verl's test environment layered over .venv-vllm, for verl's CPU mode (scripts/setup-verl.sh --cpu). A module

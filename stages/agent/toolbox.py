@@ -135,7 +135,7 @@ class ToolBox:
         tool = self._tools.get(name)
         if tool is None:
             return "unavailable", call.argument
-        per_tool = getattr(limits, f"max_{name}", None)
+        per_tool = limits.per_tool(name)
         if per_tool is not None and state.counts.get(name, 0) >= per_tool:
             state.rejected += 1
             return f"limit:{name}", call.argument

@@ -3,7 +3,7 @@
 A tool is a `Tool` subclass registered with `@TOOLS.register("<name>")`; its settings are the `agent.<section>`
 config section it names. Everything else follows from the registry: the protocol's tags `<name>…</name>` and
 stop strings (stages.agent.protocol), which tools a prompt template offers (stages.agent.prompt_templates), the ToolBox's
-admission (`agent.limits.max_<name>` when that field exists), cache entries and per-tool metrics.
+admission (a per-tool cap where `agent.limits` names one: `ToolLimitsSection.per_tool`), cache entries and per-tool metrics.
 
     @TOOLS.register("calculator")
     class Calculator(Tool):

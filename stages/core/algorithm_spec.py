@@ -54,7 +54,7 @@ class Component:
     setting: Setting
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmSpec:
     """name: `rl.algorithm`. growth: independent samples from the prompt, or an entropy-guided tree (branching
     copies and fresh roots). branch_rule: the name of its branch rule in stages/rl/strategies.py BRANCH_RULES
@@ -102,10 +102,10 @@ def value_at(rl: Any, key: str) -> Any:
 # AEPO as the reference AEPO script runs it (docs/reference.md "Published runs"): entropy-balanced clipping and the
 # entropy-aware advantage on, the consecutive-branch penalty 0.05, dynamic rollouts (entropy pre-monitoring) off.
 SPECS: tuple[AlgorithmSpec, ...] = (
-    AlgorithmSpec("grpo", "independent", reference="grpo-qwen2.5-7b-reasoning"),
-    AlgorithmSpec("arpo", "tree", reference="arpo-qwen2.5-7b-reasoning", branch_rule="arpo"),
+    AlgorithmSpec(name="grpo", growth="independent", reference="grpo-qwen2.5-7b-reasoning"),
+    AlgorithmSpec(name="arpo", growth="tree", reference="arpo-qwen2.5-7b-reasoning", branch_rule="arpo"),
     AlgorithmSpec(
-        "aepo", "tree", reference="aepo-qwen3-14b-deepsearch", branch_rule="aepo",
+        name="aepo", growth="tree", reference="aepo-qwen3-14b-deepsearch", branch_rule="aepo",
         components=(Component("entropy-balanced clipping", Setting("loss.policy_loss", "aepo_balanced_clip")),
                     Component("entropy-aware advantage", Setting("advantage.entropy_aware", True)),
                     Component("branch penalty", Setting("rollout.branch_penalty", 0.05, positive=True))),

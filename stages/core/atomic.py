@@ -55,6 +55,23 @@ def write_text(target: str | Path, text: str) -> Path:
     return target
 
 
+def save_figure(fig: Any, png: str | Path, dpi: int = 90) -> Path:
+    """Save a matplotlib figure as the PNG `png` atomically (a reader never sees half a file: the UI and the tracker
+    read the curves while a run writes them), then close it."""
+    import matplotlib.pyplot as plt
+
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(f".{png.name}.tmp.png")  # matplotlib picks the format from the suffix
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, png)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return png
+
+
 def write_json(target: str | Path, value: Any, indent: int | None = 2) -> Path:
     return write_text(target, json.dumps(value, indent=indent, ensure_ascii=False, default=str) + "\n")
 

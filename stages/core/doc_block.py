@@ -1,12 +1,13 @@
-"""A generated table between two markers in a docs page: read what the page holds there, or write it anew (atomic).
-Used by the generators whose tables live inside hand-written pages (stages.core.key_coverage, stages.rl.rules_doc).
+"""A generated block between two markers in a docs page: read what the page holds there, or put a new body there.
+Every generated block is listed once, in flows/generated_docs.py, and rewritten or checked by one command
+(`DOCS_COMMAND`); the generators only render.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stages.core.atomic import write_text
+DOCS_COMMAND = "python -m flows.cli docs --write"  # `arpo docs --write`: every generated block (flows/generated_docs.py)
 
 
 def read_block(doc: Path, start: str, end: str) -> str:
@@ -15,8 +16,9 @@ def read_block(doc: Path, start: str, end: str) -> str:
     return text[text.index(start) + len(start):text.index(end)].strip()
 
 
-def write_block(doc: Path, start: str, end: str, body: str) -> None:
-    """Replace what lies between the markers with `body` (on lines of its own)."""
-    text = doc.read_text(encoding="utf-8")
-    head, tail = text[:text.index(start) + len(start)], text[text.index(end):]
-    write_text(doc, f"{head}\n{body}\n{tail}")
+def replace_block(text: str, start: str, end: str, body: str, where: str = "the page") -> str:
+    """`text` with what lies between the markers replaced by `body` (on lines of its own)."""
+    if start not in text or end not in text:
+        raise ValueError(f"{where} lacks the markers {start} and {end} around its generated block: restore them, "
+                         f"then run `{DOCS_COMMAND}`")
+    return f"{text[:text.index(start) + len(start)]}\n{body}\n{text[text.index(end):]}"

@@ -36,7 +36,7 @@ class Refusal:
         return all(s.is_on(value_at(rl, s.key)) for s in self.when)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSpec:
     """name: `rl.engine`. cluster: it trains over Ray on rl.verl.nnodes x rl.verl.n_gpus_per_node GPUs (else on one
     device of the stage's own process, whose memory is checked when the config loads). package / version: what the
@@ -65,9 +65,9 @@ class EngineSpec:
 VERL_VERSION = "0.9.1"
 
 SPECS: tuple[EngineSpec, ...] = (
-    EngineSpec("local"),
+    EngineSpec(name="local"),
     EngineSpec(
-        "verl", cluster=True, package="verl", version=VERL_VERSION, priced=True, refuses=(
+        name="verl", cluster=True, package="verl", version=VERL_VERSION, priced=True, refuses=(
             Refusal((Setting("rollout.entropy_quantity", "full"),),
                     "rl.rollout.entropy_quantity=full needs the whole distribution, which verl's servers do not "
                     "return; with rl.engine=verl use topk (our top-k server replica) or surprisal (the stock server)"),

@@ -2,7 +2,7 @@
 
 A stage task is retried when it fails (a server hiccup, a killed worker), but some failures come back on every
 attempt with the same inputs: a bad config, a missing or malformed data file, a collapse alarm configured to stop
-the run. Those subclass `DeterministicError`, and the task layer's retry condition (`tasks.common.retryable`) fails
+the run. Those subclass `DeterministicError`, and the task layer's retry condition (`tasks.stage_tasks.retryable`) fails
 them at once, so the UI shows the error once instead of after every retry.
 
 `InputError` is the "fix your input" kind: the CLI prints only its message (no traceback). Its subclasses also

@@ -1,8 +1,8 @@
 """Before any work: every input file the selected stages' config sections name, and every interpreter they run
-under, checked (stages.core.inputs checks one field; stages.core.stage_spec says which sections a stage reads and
+under, checked (stages.core.input_files checks one field; stages.core.stage_spec says which sections a stage reads and
 how to build a stage's interpreter). Part of the one pre-flight, stages.core.preflight.
 
-Kept apart from stages.core.inputs, which the config models import: the stage table it reads is then part of no
+Kept apart from stages.core.input_files, which the config models import: the stage table it reads is then part of no
 stage's code version, and adding a stage recomputes none.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from stages.core.errors import MissingInputError
-from stages.core.inputs import check_input, resolve
+from stages.core.input_files import check_input, resolve
 from stages.core.stage_spec import table
 
 

@@ -7,21 +7,20 @@ config models it covers, and checks the rule the keys keep: a stage's key covers
 drives (the agent's); never another stage's package (so editing an evaluation benchmark or `arpo plan` leaves RL
 and SFT cached), never a command's (stages.cost, stages.rehearse), never another section's model.
 
-    python -m stages.core.key_coverage            # print the table
-    python -m stages.core.key_coverage --write    # rewrite the table in docs/caching.md
+Rewritten and checked with every other generated block: `python -m flows.cli docs --write` (flows/generated_docs.py),
+which also prints what a key covers against the rule (`all_problems`).
 """
 
 from __future__ import annotations
 
-import sys
 import typing
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from stages.core.codeversion import STAGES as CODE
-from stages.core.doc_block import read_block, write_block
+from stages.core.doc_block import read_block, replace_block
+from stages.core.env import PROJECT_ROOT
 from stages.core.stage_spec import STAGE_SPECS, StageSpec
 
 # the runtime every stage may drive (names built, not written: a bare module-name string counts as an import here)
@@ -32,7 +31,7 @@ RUNTIME_CONFIG = {SHARED[1]: ("agent",), SHARED[2]: ()}
 RUNTIME_MODULES = {SHARED[2]: {f"{SHARED[0]}.config.generation"}}
 CONFIG = f"{SHARED[0]}.config"
 CONFIG_BASE = {CONFIG, f"{CONFIG}.section", f"{CONFIG}.names"}  # what every section model is built on
-DOC = Path(__file__).resolve().parents[2] / "docs" / "caching.md"
+DOC = PROJECT_ROOT / "docs" / "caching.md"
 START, END = "<!-- key-coverage:start -->", "<!-- key-coverage:end -->"
 
 
@@ -43,11 +42,6 @@ def key_module(spec: StageSpec) -> str:
 def package(module: str) -> str:
     """stages.rl.verl.plugin -> stages.rl."""
     return ".".join(module.split(".")[:2])
-
-
-def stage_packages() -> set[str]:
-    """The packages that hold a stage (each stage's key module's package)."""
-    return {package(key_module(spec)) for spec in STAGE_SPECS}
 
 
 def section_modules(section: str) -> set[str]:
@@ -105,21 +99,11 @@ def documented() -> str:
     return read_block(DOC, START, END)
 
 
-def write_doc() -> None:
-    write_block(DOC, START, END, table())
+def render(text: str) -> str:
+    """docs/caching.md's `text` with the table rewritten."""
+    return replace_block(text, START, END, table(), str(DOC))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if "--write" in args:
-        write_doc()
-        print(f"wrote the key coverage table into {DOC}")
-    else:
-        print(table())
-    for spec in STAGE_SPECS:
-        for problem in problems(spec):
-            print(f"problem: {problem}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()
+def all_problems() -> list[str]:
+    """Every stage key's problems (`problems`)."""
+    return [problem for spec in STAGE_SPECS for problem in problems(spec)]

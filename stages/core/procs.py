@@ -162,7 +162,11 @@ def healthy(url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
 
 
 class NotReady(RuntimeError):
-    """The process exited, or did not get ready in time; the message ends with its log's tail."""
+    """The process exited, or did not get ready in time (`timed_out`); the message ends with its log's tail."""
+
+    def __init__(self, why: str, log_path: str | Path, tail: str, timed_out: bool) -> None:
+        super().__init__(f"{why}; log {log_path}, last lines:\n{tail}")
+        self.why, self.log_path, self.tail, self.timed_out = why, log_path, tail, timed_out
 
 
 def wait_ready(proc: subprocess.Popen, log_path: str | Path, timeout_s: float, ready: Callable[[], Any],
@@ -174,7 +178,8 @@ def wait_ready(proc: subprocess.Popen, log_path: str | Path, timeout_s: float, r
         value = ready()
         if value is not None and value is not False:
             return value
-        if proc.poll() is not None:
+        timed_out = proc.poll() is None
+        if not timed_out:
             why = f"exited with code {proc.returncode} before {what}"
         elif time.monotonic() > deadline:
             why = f"did not get {what} within {timeout_s:.0f} s"
@@ -183,7 +188,7 @@ def wait_ready(proc: subprocess.Popen, log_path: str | Path, timeout_s: float, r
             continue
         if on_fail is not None:
             on_fail()
-        raise NotReady(f"{why}; log {log_path}, last lines:\n{log_tail(log_path)}")
+        raise NotReady(why, log_path, log_tail(log_path), timed_out)
 
 
 def log_tail(path: str | Path, chars: int = 3000) -> str:

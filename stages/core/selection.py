@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.core.errors import DeterministicError, InputError
-from stages.core.stage_spec import GROUPS, STAGES, StageName, table
+from stages.core.stage_spec import GROUPS, STAGES, StageName, StageSpec, table
 
 __all__ = ["GROUPS", "STAGES", "SelectionError", "StageName", "StageSelection", "expand", "select_stages"]
 
@@ -51,9 +51,10 @@ class StageSelection:
     def runs(self, stage: str) -> bool:
         return _selected_as(stage) in self.run
 
-    def refreshes(self, stage: str) -> bool:
-        """Whether `stage` recomputes (a stage that belongs to another, DPO to SFT, follows it)."""
-        return _selected_as(stage) in self.refresh
+    def refreshes(self, stage: str | StageSpec) -> bool:
+        """Whether `stage` (a name, or its line: no lookup) recomputes (a stage that belongs to another, DPO to SFT,
+        follows it)."""
+        return (stage.selected_as if isinstance(stage, StageSpec) else _selected_as(stage)) in self.refresh
 
     def describe(self) -> str:
         order = [s for s in table().stages if s in self.run]

@@ -3,9 +3,11 @@
 Derived from it: the stage order and the names `--only/--until/--refresh` take (stages.core.selection), the
 `StageName` type of the flow parameters, which config sections' input files are checked before a run and which other
 pre-flight checks run (stages.core.preflight), which stages may run under another interpreter (run.interpreters),
-each stage task (tasks.common.entry_task: its entry point, key function, output folder, publish hook and retries;
-the task's name is the stage's, the folder under run.output_root too), and the `stage-<name>` deployments (the
-generated section of prefect.yaml: `python -m flows.deployments --write`, checked by tests/unit/test_stage_spec.py).
+each stage task (tasks.stage_tasks.entry_task: its entry point, key function, output folder and retries; the task's
+name is the stage's, the folder under run.output_root too), and the `stage-<name>` deployments (the generated
+section of prefect.yaml: `python -m flows.cli docs --write`, checked by tests/unit/test_stage_spec.py). What a
+stage's task publishes is not a line's field: the task layer registers its hook, `@publishes("<stage>")` in
+tasks/publish.py, and the hook's inputs are checked against this line's entry when tasks/publish.py loads.
 
 Adding a stage: CONTRIBUTING.md, "Adding a stage" (the one statement of the recipe).
 
@@ -28,7 +30,7 @@ MEMORY = "stages.cost.memory:check_memory"            # a verl run whose memory 
 BENCHMARKS = "stages.eval.preflight:preflight_benchmarks"     # every configured benchmark's files
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageSpec:
     """name: the stage's name, its output folder under run.output_root and its Prefect task name.
     sections: the config sections it reads (their input files are checked before a run that includes it; its key
@@ -37,9 +39,7 @@ class StageSpec:
     interpreter (run.interpreters.<name>; `interpreter_hint` says how to build one). part_of: a stage selected,
     refreshed and deployed with another (DPO belongs to SFT). group: the selection group it belongs to (`eval` =
     infer + score + report), which is also its deployment. checks: the pre-flight checks it needs beyond its input
-    files. publish: "module:function" in tasks/ that publishes the stage's artifacts once its entry returns, called
-    with the task's inputs (a dict) and the entry's result (a string here: no stage imports tasks/ or Prefect).
-    retries: how often its task retries a transient failure (bootstrap downloads a model)."""
+    files. retries: how often its task retries a transient failure (bootstrap downloads a model)."""
 
     name: str
     sections: tuple[str, ...]
@@ -50,7 +50,6 @@ class StageSpec:
     group: str | None = None
     checks: tuple[str, ...] = ()
     interpreter_hint: str = ""
-    publish: str = ""
     retries: int = 1
 
     @property
@@ -80,24 +79,27 @@ class StageSpec:
 
 STAGE_SPECS: tuple[StageSpec, ...] = (
     # data first: a bad data file fails in seconds, before a model is downloaded or converted
-    StageSpec("data", ("data",), "stages.data.prepare:prepare_data", "data_key", publish="tasks.publish:data_files"),
-    StageSpec("bootstrap", ("model",), "stages.bootstrap.model:bootstrap_model", "bootstrap_key", retries=2),
-    StageSpec("sft", ("sft", "agent"), "stages.sft.stage:run_sft", "sft_key", isolatable=True, checks=(SEAMS,),
-              publish="tasks.publish:sft_curves"),
-    StageSpec("dpo", ("sft", "agent"), "stages.sft.dpo:run_dpo", "dpo_key", isolatable=True, part_of="sft",
-              publish="tasks.publish:dpo_curves"),
-    StageSpec("rl", ("rl", "agent"), "stages.rl.stage:run_rl", "rl_key", isolatable=True, checks=(SEAMS, MEMORY),
+    StageSpec(name="data", sections=("data",), entry="stages.data.prepare:prepare_data", key="data_key"),
+    StageSpec(name="bootstrap", sections=("model",), entry="stages.bootstrap.model:bootstrap_model",
+              key="bootstrap_key", retries=2),
+    StageSpec(name="sft", sections=("sft", "agent"), entry="stages.sft.stage:run_sft", key="sft_key", isolatable=True,
+              checks=(SEAMS,)),
+    StageSpec(name="dpo", sections=("sft", "agent"), entry="stages.sft.dpo:run_dpo", key="dpo_key", isolatable=True,
+              part_of="sft"),
+    StageSpec(name="rl", sections=("rl", "agent"), entry="stages.rl.stage:run_rl", key="rl_key", isolatable=True,
+              checks=(SEAMS, MEMORY),
               interpreter_hint="./scripts/setup-gpu.sh builds .venv-verl; ./scripts/setup-verl.sh --cpu builds "
                                ".venv-verl-cpu"),
-    StageSpec("merge", ("merge",), "stages.rl.merge:merge_checkpoint", "merge_key", isolatable=True,
-              publish="tasks.publish:merge_parity"),
-    StageSpec("heldout", ("eval", "agent"), "stages.heldout.evaluate:evaluate_heldout", "heldout_key",
-              checks=(SEAMS,)),
-    StageSpec("infer", ("eval", "agent", "serve"), "stages.eval.inference:run_inference", "infer_key", group="eval",
-              checks=(SEAMS, BENCHMARKS)),
-    StageSpec("score", ("eval",), "stages.eval.scoring:score_predictions", "scoring_key", group="eval"),
-    StageSpec("report", ("eval",), "stages.eval.report:build_report", "report_key", group="eval",
-              publish="tasks.publish:eval_report"),
+    StageSpec(name="merge", sections=("merge",), entry="stages.rl.merge:merge_checkpoint", key="merge_key",
+              isolatable=True),
+    StageSpec(name="heldout", sections=("eval", "agent"), entry="stages.heldout.stage:evaluate_heldout",
+              key="heldout_key", checks=(SEAMS,)),
+    StageSpec(name="infer", sections=("eval", "agent", "serve"), entry="stages.eval.inference:run_inference",
+              key="infer_key", group="eval", checks=(SEAMS, BENCHMARKS)),
+    StageSpec(name="score", sections=("eval",), entry="stages.eval.scoring:score_predictions", key="scoring_key",
+              group="eval"),
+    StageSpec(name="report", sections=("eval",), entry="stages.eval.report:build_report", key="report_key",
+              group="eval"),
 )
 
 
@@ -134,8 +136,7 @@ class StageTable:
     def _problems(self, line: StageSpec) -> list[str]:
         """What is wrong with `line` given the other lines: its targets' form, its part_of, its group."""
         names = [s.name for s in self.specs]
-        targets = [("entry", line.entry), *([("publish", line.publish)] if line.publish else []),
-                   *(("check", c) for c in line.checks)]
+        targets = [("entry", line.entry), *(("check", c) for c in line.checks)]
         problems = [f"{line.name}: {what} {target!r} is not 'package.module:function'" for what, target in targets
                     if not _is_target(target)]
         if not line.key.isidentifier():

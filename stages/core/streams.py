@@ -7,6 +7,10 @@ beyond a cap; a very long line is cut. Nothing disappears silently: `summary()` 
 `summary_every_s` for long-lived servers) says how many lines of each kind were left out and where the full output
 is.
 
+A server is quieter still (stages/eval/serving.py): its start-up stays in its log (the console gets one line: what
+it serves, where, in how long), and while it runs only its warnings and errors are forwarded (`min_level`); the
+rest is counted for the line that says it stopped.
+
 A server we stop tears itself down loudly (vLLM 0.32 on CPU: nanobind's leak report, multiprocessing's resource
 tracker warnings, `EngineDeadError` tracebacks; docs/eval.md, Serving). After `begin_teardown()` (called just before
 the stop signal) no line is forwarded: each stays in the full log only and is counted by kind, and the lines that
@@ -53,8 +57,12 @@ class LineForwarder:
     """Feed it a subprocess's output line by line; it logs `<what> | <line>` to `logger` as described above."""
 
     def __init__(self, logger: logging.Logger, what: str, full_log: str | Path | None = None, max_lines: int = 300,
-                 max_chars: int = 2000, summary_every_s: float | None = None, clock=time.monotonic) -> None:
+                 max_chars: int = 2000, summary_every_s: float | None = None, clock=time.monotonic,
+                 min_level: int = logging.NOTSET) -> None:
+        """`min_level`: lines below it stay in the full log only, counted (a server's: only its warnings and errors
+        reach the console while it runs)."""
         self.logger, self.what, self.full_log, self.max_lines = logger, what, full_log, max_lines
+        self.min_level = min_level
         self.tearing_down = False
         self.teardown: Counter[str] = Counter()       # teardown lines by kind (TEARDOWN_NOISE, errors, other)
         self.teardown_tail: deque[str] = deque(maxlen=20)  # its last lines that are not known noise
@@ -98,6 +106,9 @@ class LineForwarder:
         if in_traceback and not line.startswith((" ", "\t", "Traceback")):
             self._in_traceback = False  # the exception line ends the traceback
         level = logging.ERROR if in_traceback else guess_level(line)
+        if level < self.min_level:
+            self.left_out[f"lines of its own below {logging.getLevelName(self.min_level)}"] += 1
+            return
         if not in_traceback:
             key = _CLOCK.sub("", line)
             if key in self._seen:
@@ -168,9 +179,14 @@ class FileFollower:
     to a `LineForwarder`; `stop()` reads what is left and logs the summary. For a server we stop:
     `begin_teardown()` before the stop signal, `finish()` once the process is gone (module doc)."""
 
-    def __init__(self, path: str | Path, forwarder: LineForwarder, poll_s: float = 0.5, from_start: bool = True):
+    def __init__(self, path: str | Path, forwarder: LineForwarder, poll_s: float = 0.5, from_start: bool = True,
+                 offset: int | None = None):
+        """`offset`: the byte to start reading at (a server's log: where its start-up ended), else the file's start
+        (`from_start`) or its current end."""
         self.path, self.forwarder, self.poll_s = Path(path), forwarder, poll_s
-        self._offset = 0 if from_start or not self.path.is_file() else self.path.stat().st_size
+        if offset is None:
+            offset = 0 if from_start or not self.path.is_file() else self.path.stat().st_size
+        self._offset = offset
         self._lock = threading.Lock()  # one reader at a time: the thread, or begin_teardown's catch-up
         self._stop = threading.Event()
         self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,), daemon=True,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from pathlib import Path
 
 from stages.core.config.loader import RunConfig
@@ -15,9 +17,7 @@ def train_rows(cfg: RunConfig) -> int | None:
     (capped by data.max_train_rows; rows the data stage would skip as bad still count). None: file missing."""
     data = cfg.data
     if data.source == "synthetic":
-        from stages.data.synthetic import generate
-
-        return sum(task.split == "train" for task in generate(data.synthetic).tasks)
+        return _synthetic_splits(data.synthetic.model_dump_json()).get("train", 0)
     path = Path(data.train_path or "")
     if not path.is_file():
         log.warning("plan: %s does not exist; the number of steps is unknown without rl.trainer.total_steps", path)
@@ -49,10 +49,18 @@ def eval_questions(cfg: RunConfig) -> dict[str, int | None]:
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _synthetic_splits(section_json: str) -> dict[str, int]:
+    """Tasks per split of the synthetic world `data.synthetic` (as JSON) makes: generated once per plan, for the
+    train rows and the test questions alike."""
+    from stages.core.config.data import SyntheticSection
+    from stages.data.synthetic import generate
+
+    return dict(Counter(task.split for task in generate(SyntheticSection.model_validate_json(section_json)).tasks))
+
+
 def _synthetic_test(cfg: RunConfig) -> int | None:
     if cfg.data.source != "synthetic":
         return None
-    from stages.data.synthetic import generate
-
-    count = sum(task.split == "test" for task in generate(cfg.data.synthetic).tasks)
+    count = _synthetic_splits(cfg.data.synthetic.model_dump_json()).get("test", 0)
     return min(count, cfg.eval.max_questions) if cfg.eval.max_questions else count

@@ -15,7 +15,7 @@ from stages.core.codeversion import code_version
 from stages.core.config.data import DataSection
 from stages.core.errors import BadInputError
 from stages.core.fingerprint import hash_value
-from stages.core.inputs import hash_input
+from stages.core.input_files import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import DatasetRef
 from stages.core.rl_parquet import DatasetRowError, make_row, read_rl_parquet, write_rl_parquet

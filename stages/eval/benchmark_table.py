@@ -2,24 +2,20 @@
 per `BenchmarkSpec` and one per gold-answer parser, between `<!-- benchmark-table:start -->` and
 `<!-- benchmark-table:end -->`.
 
-    python -m stages.eval.benchmark_table            # print the tables
-    python -m stages.eval.benchmark_table --write    # rewrite them in docs/eval.md
-    python -m stages.eval.benchmark_table --check    # exit 1 when docs/eval.md is out of date
-
-tests/unit/test_config_reference.py fails when the page differs from the registry.
+Rewritten and checked with every other generated block: `python -m flows.cli docs --write` (flows/generated_docs.py);
+tests/unit/test_config_doc.py fails when the page differs from the registry.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
 
+from stages.core.doc_block import DOCS_COMMAND, replace_block
 from stages.core.env import PROJECT_ROOT
 from stages.eval.benchmarks import BENCHMARKS, GOLD_PARSERS, BenchmarkSpec
 
 DOC = PROJECT_ROOT / "docs" / "eval.md"
 START, END = "<!-- benchmark-table:start -->", "<!-- benchmark-table:end -->"
-COMMAND = "python -m stages.eval.benchmark_table --write"
 NONE = "—"
 
 
@@ -68,36 +64,10 @@ def parser_table() -> str:
 
 
 def tables() -> str:
-    return (f"<!-- generated from stages/eval/benchmarks.py by `{COMMAND}` -->\n\n{benchmark_table()}\n\n"
+    return (f"<!-- generated from stages/eval/benchmarks.py by `{DOCS_COMMAND}` -->\n\n{benchmark_table()}\n\n"
             f"#### Gold parsers\n\n{parser_table()}")
 
 
 def render(text: str) -> str:
-    """`text` with the generated block replaced by the tables from the registries."""
-    if START not in text or END not in text:
-        raise ValueError(f"{DOC} lacks the markers {START} and {END} around the benchmark table")
-    head, tail = text[:text.index(START) + len(START)], text[text.index(END):]
-    return f"{head}\n{tables()}\n{tail}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    text = DOC.read_text(encoding="utf-8")
-    want = render(text)
-    if "--write" in args:
-        if want != text:
-            from stages.core.atomic import write_text
-
-            write_text(DOC, want)
-        print(f"{DOC.relative_to(PROJECT_ROOT)}: {'rewritten' if want != text else 'up to date'}")
-    elif "--check" in args:
-        if want != text:
-            print(f"{DOC.relative_to(PROJECT_ROOT)} is out of date: run `{COMMAND}`")
-            return 1
-    else:
-        sys.stdout.write(tables() + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    """docs/eval.md's `text` with the generated block replaced by the tables from the registries."""
+    return replace_block(text, START, END, tables(), str(DOC))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.core.atomic import read_jsonl
 from stages.core.errors import BadInputError, MissingInputError
 from stages.core.fingerprint import hash_value
 from stages.core.log import get_logger
@@ -47,7 +48,7 @@ class EvalItem:
     meta: dict = field(default_factory=dict, hash=False, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HubSource:
     """Where the same benchmark lives on the Hugging Face hub, and its field names there."""
 
@@ -59,7 +60,7 @@ class HubSource:
     id_field: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BenchmarkSpec:
     name: str
     task_type: str  # math | qa | mixed (per-row `kind` field)
@@ -114,49 +115,61 @@ def gold_gsm8k(value: Any) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------------------------- the table
 def _flashrag(config: str) -> HubSource:
-    return HubSource("RUC-NLPIR/FlashRAG_datasets", "dev" if config != "bamboogle" else "test", "question",
-                     "golden_answers", config=config, id_field="id")
+    return HubSource(dataset="RUC-NLPIR/FlashRAG_datasets", split="dev" if config != "bamboogle" else "test",
+                     question_field="question", answer_field="golden_answers", config=config, id_field="id")
 
 
 _SPECS = [
-    BenchmarkSpec("aime24", "math", "math", ("aime24/test.jsonl",), "question", 500, id_field="id", gold="plain",
-                  meta_fields=("url",), hub=HubSource("HuggingFaceH4/aime_2024", "train", "problem", "answer",
-                                                      id_field="id")),
-    BenchmarkSpec("aime25", "math", "math", ("aime25/test.jsonl",), "problem", 500, id_field="id", gold="plain",
-                  hub=HubSource("math-ai/aime25", "test", "problem", "answer", id_field="id")),
-    BenchmarkSpec("math500", "math", "math", ("math500/test.jsonl",), "question", 500, gold="plain",
-                  hub=HubSource("HuggingFaceH4/MATH-500", "test", "problem", "answer", id_field="unique_id")),
-    BenchmarkSpec("gsm8k", "math", "math", ("gsm8k/test.jsonl",), "question", 500, id_field="idx", gold="gsm8k",
-                  hub=HubSource("openai/gsm8k", "test", "question", "answer", config="main")),
-    BenchmarkSpec("math", "math", "math", ("math/test.jsonl",), "problem", 500, gold="plain",
-                  meta_fields=("level", "type", "subject")),
-    BenchmarkSpec("hotpotqa", "qa", "knowledge", ("hotpotqa/test.jsonl",), "question", 200, headline="f1",
-                  search_backend="server",
+    BenchmarkSpec(name="aime24", task_type="math", group="math", files=("aime24/test.jsonl",),
+                  question_field="question", default_cap=500, id_field="id", gold="plain", meta_fields=("url",),
+                  hub=HubSource(dataset="HuggingFaceH4/aime_2024", split="train", question_field="problem",
+                                answer_field="answer", id_field="id")),
+    BenchmarkSpec(name="aime25", task_type="math", group="math", files=("aime25/test.jsonl",), question_field="problem",
+                  default_cap=500, id_field="id", gold="plain",
+                  hub=HubSource(dataset="math-ai/aime25", split="test", question_field="problem", answer_field="answer",
+                                id_field="id")),
+    BenchmarkSpec(name="math500", task_type="math", group="math", files=("math500/test.jsonl",),
+                  question_field="question", default_cap=500, gold="plain",
+                  hub=HubSource(dataset="HuggingFaceH4/MATH-500", split="test", question_field="problem",
+                                answer_field="answer", id_field="unique_id")),
+    BenchmarkSpec(name="gsm8k", task_type="math", group="math", files=("gsm8k/test.jsonl",), question_field="question",
+                  default_cap=500, id_field="idx", gold="gsm8k",
+                  hub=HubSource(dataset="openai/gsm8k", split="test", question_field="question", answer_field="answer",
+                                config="main")),
+    BenchmarkSpec(name="math", task_type="math", group="math", files=("math/test.jsonl",), question_field="problem",
+                  default_cap=500, gold="plain", meta_fields=("level", "type", "subject")),
+    BenchmarkSpec(name="hotpotqa", task_type="qa", group="knowledge", files=("hotpotqa/test.jsonl",),
+                  question_field="question", default_cap=200, headline="f1", search_backend="server",
                   hub=_flashrag("hotpotqa")),
-    BenchmarkSpec("2wiki", "qa", "knowledge", ("2wiki/test.jsonl",), "question", 200, headline="f1",
-                  search_backend="server",
+    BenchmarkSpec(name="2wiki", task_type="qa", group="knowledge", files=("2wiki/test.jsonl",),
+                  question_field="question", default_cap=200, headline="f1", search_backend="server",
                   hub=_flashrag("2wikimultihopqa")),
-    BenchmarkSpec("musique", "qa", "knowledge", ("musique/test.jsonl",), "question", 200, headline="f1",
-                  search_backend="server",
+    BenchmarkSpec(name="musique", task_type="qa", group="knowledge", files=("musique/test.jsonl",),
+                  question_field="question", default_cap=200, headline="f1", search_backend="server",
                   hub=_flashrag("musique")),
-    BenchmarkSpec("bamboogle", "qa", "knowledge", ("bamboogle/test.jsonl",), "question", 200, headline="f1",
-                  search_backend="server", hub=_flashrag("bamboogle")),
-    BenchmarkSpec("webwalker", "qa", "knowledge", ("webwalker/test.jsonl",), "question", 200, gold="plain",
-                  language="zh+en"),
-    BenchmarkSpec("gaia", "qa", "deepsearch", ("gaia/test.jsonl",), "Question", 200, id_field="task_id",
-                  gold="plain", meta_fields=("Level",),
-                  hub=HubSource("gaia-benchmark/GAIA", "validation", "Question", "Final answer", config="2023_all",
-                                id_field="task_id")),
-    BenchmarkSpec("hle", "qa", "deepsearch", ("hle/test.jsonl", "hle/top.json"), "question", 500, id_field="id",
-                  gold="plain", meta_fields=("answer_type", "category", "raw_subject"),
-                  skip_if=(("has_image", True),),
-                  hub=HubSource("cais/hle", "test", "question", "answer", id_field="id")),
-    BenchmarkSpec("simpleqa", "qa", "deepsearch", ("SimpleQA/test.jsonl", "simpleqa/test.jsonl"), "question", 500,
-                  hub=HubSource("basicv8vc/SimpleQA", "test", "problem", "answer")),
-    BenchmarkSpec("xbench", "qa", "deepsearch", ("xbench/test.jsonl",), "question", 200, language="zh",
-                  prompt_template="tir_search_python_zh", browse_language="zh"),
-    BenchmarkSpec("synthetic", "mixed", "generated", (), "question", 200, id_field="id", gold="plain",
-                  search_backend="local", meta_fields=("kind",)),
+    BenchmarkSpec(name="bamboogle", task_type="qa", group="knowledge", files=("bamboogle/test.jsonl",),
+                  question_field="question", default_cap=200, headline="f1", search_backend="server",
+                  hub=_flashrag("bamboogle")),
+    BenchmarkSpec(name="webwalker", task_type="qa", group="knowledge", files=("webwalker/test.jsonl",),
+                  question_field="question", default_cap=200, gold="plain", language="zh+en"),
+    BenchmarkSpec(name="gaia", task_type="qa", group="deepsearch", files=("gaia/test.jsonl",),
+                  question_field="Question", default_cap=200, id_field="task_id", gold="plain", meta_fields=("Level",),
+                  hub=HubSource(dataset="gaia-benchmark/GAIA", split="validation", question_field="Question",
+                                answer_field="Final answer", config="2023_all", id_field="task_id")),
+    BenchmarkSpec(name="hle", task_type="qa", group="deepsearch", files=("hle/test.jsonl", "hle/top.json"),
+                  question_field="question", default_cap=500, id_field="id", gold="plain",
+                  meta_fields=("answer_type", "category", "raw_subject"), skip_if=(("has_image", True),),
+                  hub=HubSource(dataset="cais/hle", split="test", question_field="question", answer_field="answer",
+                                id_field="id")),
+    BenchmarkSpec(name="simpleqa", task_type="qa", group="deepsearch",
+                  files=("SimpleQA/test.jsonl", "simpleqa/test.jsonl"), question_field="question", default_cap=500,
+                  hub=HubSource(dataset="basicv8vc/SimpleQA", split="test", question_field="problem",
+                                answer_field="answer")),
+    BenchmarkSpec(name="xbench", task_type="qa", group="deepsearch", files=("xbench/test.jsonl",),
+                  question_field="question", default_cap=200, language="zh", prompt_template="tir_search_python_zh",
+                  browse_language="zh"),
+    BenchmarkSpec(name="synthetic", task_type="mixed", group="generated", files=(), question_field="question",
+                  default_cap=200, id_field="id", gold="plain", search_backend="local", meta_fields=("kind",)),
 ]
 BENCHMARKS: Registry[BenchmarkSpec] = Registry("benchmark", {spec.name: spec for spec in _SPECS})
 
@@ -314,14 +327,7 @@ def _read_json_lines(path: Path) -> list[dict[str, Any]]:
             raise BadInputError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); a file starting with '[' must be "
                                 "one JSON list of rows") from err
     else:
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise BadInputError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
+        rows = read_jsonl(path)
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise BadInputError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")

@@ -5,8 +5,10 @@ Backends (ServeSection.backend):
   command line and environment from `stages.eval.vllm_cmd`);
 - `external`: an existing server at `serve.url` with the key in the env var `serve.api_key_env`.
 Servers run supervised in their own process group with output captured to `<log_dir>/<name>.log`
-(stages.core.procs, the one process manager); `follow_output` forwards that log into our logs while the server
-runs. Teardown is guaranteed three ways: `stop_server` / the `serving` context manager, an atexit hook for servers
+(stages.core.procs, the one process manager). A start prints one line (what it serves, where, in how long): what the
+server prints while it starts stays in its log, and a start that fails raises with the log's last lines.
+`follow_output` then forwards the server's warnings and errors while it runs (its other lines are counted for the
+stop line). Teardown is guaranteed three ways: `stop_server` / the `serving` context manager, an atexit hook for servers
 this process started, and the supervisor, which kills the group when this process dies without either. What a
 server prints while it stops stays in its log: the console gets one line per server stopped, or the error when the
 stop went wrong (docs/eval.md, Serving).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import re
 import subprocess
@@ -62,13 +65,15 @@ def _launched(endpoint: EndpointRef | None) -> bool:
 
 
 def follow_output(endpoint: EndpointRef | None, what: str) -> None:
-    """Forward the server's log into our logs (and the current run's) while it runs: its lines with their levels,
-    request lines and repeats summarised every minute (stages.core.streams). `stop_server` ends it; a no-op for
-    external or shared servers (no log of their own) and for one already followed."""
+    """Forward the server's warnings and errors into our logs (and the current run's) while it runs, from where its
+    start-up ended (`log_offset`; the start-up stays in its log); its other lines, request lines and repeats are
+    counted and named by the stop line (stages.core.streams). `stop_server` ends it; a no-op for external or shared
+    servers (no log of their own) and for one already followed."""
     if not _launched(endpoint) or int(endpoint.meta["pgid"]) in _FOLLOWING or not endpoint.meta.get("log"):
         return
-    output = LineForwarder(get_logger("eval.server"), what, full_log=endpoint.meta["log"], summary_every_s=60.0)
-    _FOLLOWING[int(endpoint.meta["pgid"])] = FileFollower(endpoint.meta["log"], output).start()
+    output = LineForwarder(get_logger("eval.server"), what, full_log=endpoint.meta["log"], min_level=logging.WARNING)
+    follower = FileFollower(endpoint.meta["log"], output, offset=endpoint.meta.get("log_offset"), from_start=False)
+    _FOLLOWING[int(endpoint.meta["pgid"])] = follower.start()
 
 
 def stop_server(endpoint: EndpointRef | None, grace_s: float | None = None) -> None:
@@ -147,13 +152,15 @@ def start_vllm(cfg: ServeSection, model: ModelRef, log_dir: Path) -> EndpointRef
     try:
         wait_ready(proc, log_file, cfg.startup_timeout_s, lambda: healthy(f"http://{cfg.host}:{port}/health"),
                    "healthy", on_fail=lambda: kill_group(proc.pid, 2.0, _LIVE.pop(proc.pid, proc)))
-    except NotReady as err:
-        raise ServeError(f"the vllm server {err} (raise serve.startup_timeout_s if it is just slow)") from None
+    except NotReady as err:  # what it printed while starting: the log's last lines
+        hint = f" (raise serve.startup_timeout_s={cfg.startup_timeout_s:g} if it is just slow)" if err.timed_out else ""
+        raise ServeError(f"the vllm server {err.why}{hint}; log {err.log_path}, last lines:\n{err.tail}") from None
     took = time.monotonic() - started
-    log.info("vllm server for %s up at http://%s:%d/v1 in %.0f s%s (log %s)", name, cfg.host, port, took,
+    log.info("vllm server for %s up at http://%s:%d/v1 in %.0f s%s (its output: %s)", name, cfg.host, port, took,
              f" on GPU(s) {gpus} (CUDA_VISIBLE_DEVICES)" if gpus else "", log_file)
     endpoint = _endpoint(cfg, model, name, port, proc, log_file, cfg.sampling_extras is not False)
-    return endpoint.model_copy(update={"meta": {**endpoint.meta, "startup_s": round(took, 1),
+    started_at = log_file.stat().st_size if log_file.is_file() else 0  # where its start-up ends in its log
+    return endpoint.model_copy(update={"meta": {**endpoint.meta, "startup_s": round(took, 1), "log_offset": started_at,
                                                 **({"gpus": gpus} if gpus else {})}})
 
 

@@ -6,7 +6,7 @@ its cache (everything fed so far: context + new tokens except the last sampled o
 
 `kv_reuse=True`: a sequence's cache persists across rounds (after a tool result only the result tokens and the
 last sampled token are prefilled), `fork` starts a branch from its parent's cache and `prefill` shares one
-prompt pass between all roots of a group. `kv_reuse=False` is the baseline: every call re-prefills the full
+prompt pass between all roots of a group. `kv_reuse=False` is the plain path: every call re-prefills the full
 context and no cache outlives a call. `stats` counts the forward tokens of both modes the same way.
 
 The model is used as given (weights updated in place by the trainer between steps), under `torch.no_grad()`

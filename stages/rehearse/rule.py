@@ -305,6 +305,6 @@ def _eval(cfg: Any, present: list[str], change, judge: str = "rule") -> None:
 
 def _exists(path: str | None) -> bool:
     """Relative paths are the project root's, as the stages read them."""
-    from stages.core.inputs import resolve
+    from stages.core.input_files import resolve
 
     return bool(path) and resolve(path, project_relative=True).exists()

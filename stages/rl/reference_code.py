@@ -25,7 +25,7 @@ NO_DUAL_CLIP = float("inf")   # clip_ratios' c where the reference's loss has no
 DOC = "docs/reference.md"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReferenceSetting:
     """One published training script and the reference code it runs."""
 
@@ -54,26 +54,33 @@ class ReferenceSetting:
 
 
 REFERENCE_SETTINGS: Registry[ReferenceSetting] = Registry("reference setting", {s.name: s for s in (
-    ReferenceSetting("arpo-qwen2.5-7b-reasoning", "arpo", ARPO_CODE,
-                     "ARPO/scripts/ARPO_7B_Reasoning_1node.sh (config ppo_trainer.yaml)",
-                     16, 8, 2, 0.5, 0.2, 0.0, False, 3, False, False),
-    ReferenceSetting("arpo-qwen3-14b-deepsearch", "arpo", ARPO_CODE,
-                     "ARPO/scripts/ARPO_14b_Deepsearch_1node.sh (config ppo_trainer_dr.yaml)",
-                     12, 6, 2, 0.5, 0.2, 0.0, False, 6, False, False),
-    ReferenceSetting("aepo-qwen3-14b-deepsearch", "aepo", AEPO_CODE,
-                     "AEPO/scripts/AEPO_Qwen3_14B_DeepResearch.sh (config ppo_trainer_dr.yaml)",
-                     12, 6, 2, 0.5, 0.2, 0.05, False, 6, True, True),
-    ReferenceSetting("grpo-qwen2.5-7b-reasoning", "grpo", ARPO_CODE,
-                     "no published GRPO script: ARPO_7B_Reasoning_1node.sh's settings, n samples from the prompt",
-                     16, 16, 1, 0.5, 0.2, 0.0, False, 3, False, False),
+    ReferenceSetting(name="arpo-qwen2.5-7b-reasoning", algorithm="arpo", code=ARPO_CODE,
+                     script="ARPO/scripts/ARPO_7B_Reasoning_1node.sh (config ppo_trainer.yaml)", n=16,
+                     initial_rollouts=8, beam_size=2, branch_probability=0.5, entropy_weight=0.2, branch_penalty=0.0,
+                     dynamic_rollouts=False, call_limit=3, balanced_clip=False, entropy_advantage_flag=False),
+    ReferenceSetting(name="arpo-qwen3-14b-deepsearch", algorithm="arpo", code=ARPO_CODE,
+                     script="ARPO/scripts/ARPO_14b_Deepsearch_1node.sh (config ppo_trainer_dr.yaml)", n=12,
+                     initial_rollouts=6, beam_size=2, branch_probability=0.5, entropy_weight=0.2, branch_penalty=0.0,
+                     dynamic_rollouts=False, call_limit=6, balanced_clip=False, entropy_advantage_flag=False),
+    ReferenceSetting(name="aepo-qwen3-14b-deepsearch", algorithm="aepo", code=AEPO_CODE,
+                     script="AEPO/scripts/AEPO_Qwen3_14B_DeepResearch.sh (config ppo_trainer_dr.yaml)", n=12,
+                     initial_rollouts=6, beam_size=2, branch_probability=0.5, entropy_weight=0.2, branch_penalty=0.05,
+                     dynamic_rollouts=False, call_limit=6, balanced_clip=True, entropy_advantage_flag=True),
+    ReferenceSetting(name="grpo-qwen2.5-7b-reasoning", algorithm="grpo", code=ARPO_CODE,
+                     script="no published GRPO script: ARPO_7B_Reasoning_1node.sh's settings, n samples from the prompt",
+                     n=16, initial_rollouts=16, beam_size=1, branch_probability=0.5, entropy_weight=0.2,
+                     branch_penalty=0.0, dynamic_rollouts=False, call_limit=3, balanced_clip=False,
+                     entropy_advantage_flag=False),
     # entropy_coeff 0.001 and clip_ratio 0.2 from the fork's ppo_trainer.yaml (32-33), which train.sh leaves; its
     # compute_policy_loss (core_algos.py 227-258) has no dual clip; use_kl_loss=True with coefficient 0 (91-93)
-    ReferenceSetting("grpo-toolstar-qwen2.5-3b", "grpo", TOOLSTAR_CODE,
-                     "Tool_Star_RL/scripts/train/run_tool_star.sh -> train.sh (config verl/trainer/config/ppo_trainer.yaml)",
-                     8, 8, 1, 0.5, 0.2, 0.0, False, 3, False, False, entropy_coeff=0.001,
-                     clip_ratios=(0.2, 0.2, NO_DUAL_CLIP), fork="its verl 0.2 fork (Tool_Star_RL/src/verl)",
-                     reward_code="re_search.py compute_score (Tool_Star_RL/src/verl/verl/utils/reward_score)",
-                     tool_threads="a round's python snippets at once on min(snippets, CPUs) processes"),
+    ReferenceSetting(name="grpo-toolstar-qwen2.5-3b", algorithm="grpo", code=TOOLSTAR_CODE,
+                     script="Tool_Star_RL/scripts/train/run_tool_star.sh -> train.sh "
+                            "(config verl/trainer/config/ppo_trainer.yaml)",
+                     n=8, initial_rollouts=8, beam_size=1, branch_probability=0.5, entropy_weight=0.2,
+                     branch_penalty=0.0, dynamic_rollouts=False, call_limit=3, balanced_clip=False,
+                     entropy_advantage_flag=False, entropy_coeff=0.001, clip_ratios=(0.2, 0.2, NO_DUAL_CLIP),
+                     fork="its verl 0.2 fork (Tool_Star_RL/src/verl)",
+                     reward_code="re_search.py compute_score (Tool_Star_RL/src/verl/verl/utils/reward_score)"),
 )})
 def reference_for(algorithm: str, name: str | None = None) -> ReferenceSetting:
     """The setting `name` (rl.reference_setting), else the algorithm's published run (its spec's `reference`)."""

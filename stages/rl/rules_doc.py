@@ -1,16 +1,12 @@
 """The branch rules' table in docs/rollout.md, generated from BRANCH_RULES (stages/rl/strategies.py), where each
 rule's condition is written once beside its code. No stage imports this module, so it is part of no key.
-
-    python -m stages.rl.rules_doc            # print the table
-    python -m stages.rl.rules_doc --write    # rewrite it in docs/rollout.md (tests/unit/test_rl_branching.py checks)
+Rewritten and checked with every other generated block: `python -m flows.cli docs --write` (flows/generated_docs.py).
 """
 
 from __future__ import annotations
 
-import sys
-
 from stages.core.algorithm_spec import ALGORITHMS
-from stages.core.doc_block import read_block, write_block
+from stages.core.doc_block import read_block, replace_block
 from stages.core.env import PROJECT_ROOT
 from stages.rl.strategies import BRANCH_RULES, SYMBOLS
 
@@ -33,13 +29,6 @@ def documented() -> str:
     return read_block(DOC, START, END)
 
 
-def write_doc() -> None:
-    write_block(DOC, START, END, table())
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--write"]:
-        write_doc()
-        print(f"wrote the branch rules into {DOC}")
-    else:
-        print(table())
+def render(text: str) -> str:
+    """docs/rollout.md's `text` with the table rewritten."""
+    return replace_block(text, START, END, table(), str(DOC))

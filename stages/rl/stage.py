@@ -18,9 +18,10 @@ from stages.core.codeversion import code_version
 from stages.core.config.agent import AgentSection
 from stages.core.config.rl import RLSection
 from stages.core.fingerprint import hash_value
-from stages.core.inputs import check_rl_rows
+from stages.core.input_files import check_rl_rows
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
+from stages.core.tracking.context import CARD_FILE  # written before any work
 from stages.core.workspace import stage_dir
 from stages.rl.card import algorithm_card, card_markdown
 from stages.rl.engines import RL_ENGINES, engine_version
@@ -30,7 +31,6 @@ from stages.rl.retention import drop_optimizer_state
 from stages.rl.step_identity import step_identity, write_identity
 
 log = get_logger(__name__)
-CARD_FILE = "algorithm_card.md"  # the run's algorithm card (stages/rl/card.py), written before any work
 
 
 def run_rl(cfg: RLSection, agent: AgentSection, policy: ModelRef | CheckpointRef, data: DatasetRef,
@@ -98,4 +98,4 @@ def base_model(policy: ModelRef | CheckpointRef) -> ModelRef | None:
     return policy if isinstance(policy, ModelRef) else policy.base
 
 
-__all__ = ["CARD_FILE", "components_off", "base_model", "passthrough", "rl_key", "run_rl"]
+__all__ = ["components_off", "base_model", "passthrough", "rl_key", "run_rl"]

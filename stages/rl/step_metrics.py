@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from stages.agent.rewards import Reward
-from stages.core.atomic import read_jsonl, write_jsonl
+from stages.core.atomic import read_jsonl, save_figure, write_jsonl
 from stages.core.log import get_logger
 from stages.generation.types import RolloutBatch
 from stages.rl.tree_record import trajectory_tree_fields
@@ -173,12 +173,7 @@ def plot_curves(rows: list[dict[str, Any]], png: Path) -> Path | None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(png)
-    return png
+    return save_figure(fig, png)
 
 
 def rollout_sample_markdown(rollouts_dir: Path, max_trajectories: int = 4, max_chars: int = 1500) -> str:

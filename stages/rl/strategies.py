@@ -9,7 +9,7 @@ A strategy answers three questions for the rollout driver, which owns the loop, 
 
 The branch rules are BRANCH_RULES, one per rule the table names: the rule's code (stages/rl/branching.py, with the
 reference's lines), its probability over u, and its condition, written once here: the algorithm card states it with
-the run's values, and docs/rollout.md's table of rules is generated from it (`python -m stages.rl.rules_doc --write`).
+the run's values, and docs/rollout.md's table of rules is generated from it (`python -m flows.cli docs --write`).
 """
 
 from __future__ import annotations

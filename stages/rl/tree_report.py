@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.core import reporter
+from stages.core.atomic import save_figure
 from stages.core.errors import BadInputError, MissingInputError
 from stages.core.log import get_logger
 from stages.rl.tree_page import lanes, write_page
@@ -124,12 +125,7 @@ def plot_trees(groups: list[TreeGroup], png: Path, title: str) -> Path | None:
     axes[-1, 0].set_xlabel("response token (blue generated, orange tool result, black dot a fork)", fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(png)
-    return png
+    return save_figure(fig, png)
 
 
 # ---- arpo trees ---------------------------------------------------------------------------------------------------

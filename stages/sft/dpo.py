@@ -27,7 +27,7 @@ from stages.core.config.agent import AgentSection
 from stages.core.config.sft import SFTSection
 from stages.core.errors import BadInputError
 from stages.core.fingerprint import hash_value
-from stages.core.inputs import hash_input
+from stages.core.input_files import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef
 from stages.core.rl_parquet import read_rl_parquet

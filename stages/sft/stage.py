@@ -28,7 +28,7 @@ from stages.core.config.sft import SFTSection
 from stages.core.env import PROJECT_ROOT
 from stages.core.errors import MissingInputError
 from stages.core.fingerprint import hash_value
-from stages.core.inputs import hash_input
+from stages.core.input_files import hash_input
 from stages.core.log import get_logger
 from stages.core.refs import CheckpointRef, DatasetRef, ModelRef
 from stages.core.templates import load_template

@@ -15,7 +15,7 @@ from stages.core.config.loader import load_config
 from stages.core.refs import Ref
 from stages.core.selection import select_stages
 from stages.core.workspace import stage_dir
-from tasks.common import entry_task, forced, run_stage, stage_task
+from tasks.stage_tasks import entry_task, forced, run_stage, stage_task
 
 pytestmark = pytest.mark.integration
 BIG = 2 << 20  # above manifest.CHEAP_BYTES: a quick check only looks at its size and time

@@ -225,8 +225,8 @@ def test_switching_endpoints_recomputes_moving_one_does_not(endpoint, tiny_model
     from prefect import flow
 
     from stages.core.selection import select_stages
-    from tasks.common import run_stage
     from tasks.eval_infer import infer_task
+    from tasks.stage_tasks import run_stage
 
     cfg = small_eval.model_copy(update={"max_questions": 1})
 

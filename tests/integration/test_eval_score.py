@@ -126,7 +126,7 @@ def test_math_scores_and_report_with_published_numbers(tmp_path):
 
 
 def test_score_task_cache_ignores_the_judge_url_but_not_its_identity(tmp_path, prefect_harness):
-    from tasks.common import entry_task
+    from tasks.stage_tasks import entry_task
 
     preds = _gaia(tmp_path)
 

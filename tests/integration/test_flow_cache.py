@@ -14,7 +14,7 @@ from stages.core.config.loader import ConfigError, load_config
 from stages.core.refs import DatasetRef
 from stages.core.selection import select_stages
 from stages.data.prepare import data_key
-from tasks.common import call_stage, entry_task, forced, run_stage, stage_task
+from tasks.stage_tasks import call_stage, entry_task, forced, run_stage, stage_task
 from tests.conftest import PROJECT_ROOT, TEST_OUTPUTS
 
 
@@ -96,21 +96,21 @@ def test_interpreters_only_for_training_stages() -> None:
 def test_a_stage_added_as_one_line_runs_cached_in_a_flow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The unit test's new stage (tests/unit/test_stage_spec.py: one table line and its package), run by a flow
     through the task the table builds: computed once, then a cache hit on its own key, recomputed when refreshed; the
-    publish hook its line names gets the task's inputs and the stage's result each time the task runs."""
+    publish hook registered for it gets the stage's result and the input it names each time the task runs."""
     from stages.core import stage_spec
     from stages.core.refs import CheckpointRef
     from stages.core.stage_spec import SPECS, STAGE_SPECS, StageSpec, StageTable
-    from tasks.common import StageRunner
-    from tests.unit.test_stage_spec import DISTILL
+    from tasks import publish
+    from tasks.stage_tasks import StageRunner
+    from tests.unit.test_stage_spec import DISTILL, HOOK
 
     (tmp_path / "distill_flow_stage").mkdir()
     (tmp_path / "distill_flow_stage" / "__init__.py").write_text("")
     (tmp_path / "distill_flow_stage" / "stage.py").write_text(DISTILL)
-    (tmp_path / "distill_flow_stage" / "hook.py").write_text(
-        "PUBLISHED = []\n\ndef published(inputs, result):\n    PUBLISHED.append((inputs['policy'].path, result.path))\n")
+    (tmp_path / "distill_flow_stage" / "hook.py").write_text(HOOK)
     monkeypatch.syspath_prepend(str(tmp_path))
-    line = StageSpec("distill", ("rl",), "distill_flow_stage.stage:run_distill", "distill_key",
-                     publish="distill_flow_stage.hook:published")
+    monkeypatch.setattr(publish, "HOOKS", dict(publish.HOOKS))
+    line = StageSpec(name="distill", sections=("rl",), entry="distill_flow_stage.stage:run_distill", key="distill_key")
     specs = list(STAGE_SPECS)
     specs.insert(specs.index(SPECS["rl"]) + 1, line)
     monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(specs)))

@@ -194,7 +194,7 @@ def test_a_missing_file_while_the_key_is_computed_fails_the_task_once(tmp_path: 
     from prefect.logging.handlers import APILogWorker
 
     from stages.core.selection import select_stages
-    from tasks.common import entry_task, run_stage
+    from tasks.stage_tasks import entry_task, run_stage
 
     cfg = load_config("tiny-cpu", ["data.source=parquet", f"data.train_path={tmp_path / 'gone.parquet'}"])
 

@@ -17,9 +17,9 @@ from prefect import flow, task
 from stages.core.config.loader import ConfigError, load_config
 from stages.core.engine_spec import VERL_VERSION
 from stages.core.refs import ScoresRef
-from tasks.common import call_stage, stage_task
 from tasks.publish import scores_as_they_finish
 from tasks.rl import publish_card, rl_task
+from tasks.stage_tasks import call_stage, stage_task
 from tests.conftest import PROJECT_ROOT
 
 CACHE = PROJECT_ROOT / ".cache"

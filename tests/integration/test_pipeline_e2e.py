@@ -92,7 +92,7 @@ async def main():
         while pending:
             runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=pending)))
             for run in runs:
-                out.setdefault(run.name, []).append(run.state.name)  # task run name = stage name (tasks/common.py)
+                out.setdefault(run.name, []).append(run.state.name)  # task run name = stage name (tasks/stage_tasks.py)
             children = await client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=pending)))
             pending = [str(child.id) for child in children]

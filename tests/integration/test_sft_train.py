@@ -111,7 +111,7 @@ def test_prefect_task_is_cached_and_publishes_loss_and_metrics(trained, tiny_con
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.common import entry_task
+    from tasks.stage_tasks import entry_task
 
     cfg, ref = trained
 

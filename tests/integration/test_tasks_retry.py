@@ -7,7 +7,7 @@ import pytest
 from prefect import flow
 
 from stages.core.errors import MissingInputError
-from tasks.common import stage_task
+from tasks.stage_tasks import stage_task
 
 pytestmark = pytest.mark.integration
 ATTEMPTS: list[str] = []

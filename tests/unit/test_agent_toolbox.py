@@ -206,3 +206,11 @@ def test_a_new_tool_is_one_registered_class(tmp_path):
         assert "echo" not in template_tools("tir_search_python")  # offered only by a template that shows <echo>
     finally:
         TOOLS._entries.pop("echo")
+
+
+def test_each_capped_tool_is_named_once_in_the_limits() -> None:
+    from stages.core.config.agent import ToolLimitsSection
+
+    limits = ToolLimitsSection(max_python=2, max_search=1)
+    # by hand: the two capped tools read their own keys; any other tool has only the total
+    assert (limits.per_tool("python"), limits.per_tool("search"), limits.per_tool("browse")) == (2, 1, None)

@@ -24,7 +24,7 @@ from stages.core.env import PROJECT_ROOT
 from stages.core.registry import find_registry
 
 # a made-up algorithm: a tree with a plain branch rule, the entropy-aware advantage (also AEPO's) and a KL penalty
-XPO = AlgorithmSpec("xpo", "tree", reference="arpo-qwen2.5-7b-reasoning", branch_rule="threshold",
+XPO = AlgorithmSpec(name="xpo", growth="tree", reference="arpo-qwen2.5-7b-reasoning", branch_rule="threshold",
                     components=(Component("entropy-aware advantage", Setting("advantage.entropy_aware", True)),
                                 Component("KL penalty", Setting("loss.kl_coef", 0.01, positive=True))),
                     options=(Setting("rollout.dynamic_rollouts", True),))

@@ -18,7 +18,7 @@ import tasks
 from stages.agent.tools import PythonTool, SearchTool
 from stages.core.codeversion import STAGES, CodeIndex, code_text, code_version
 from stages.core.stage_spec import SPECS
-from tasks.common import StageKey, entry_task
+from tasks.stage_tasks import StageKey, entry_task
 
 STAGES_DIR = STAGES.package_dir
 ENTRIES = {"bootstrap": "stages.bootstrap.model", "data": "stages.data.prepare", "sft": "stages.sft.stage",

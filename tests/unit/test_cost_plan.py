@@ -128,3 +128,21 @@ def test_a_measured_split_replaces_the_assumed_speeds(tmp_path: Path):
     assert lines["generate time (s)"] == (110.0, None, "measured") and lines["tool time (s)"][0] == 320.0
     assert lines["tool queueing (s)"][0] == 210.0 and lines["tool calls per round per worker"][0] == 42.0
     assert "raise agent.concurrency" in est.verdict
+
+
+def test_a_plan_generates_the_synthetic_world_once(monkeypatch: pytest.MonkeyPatch):
+    # the train rows and the synthetic benchmark's questions both come from one generation of the task world
+    from stages.cost import inputs
+    from stages.data import synthetic
+
+    calls = []
+    real = synthetic.generate
+    monkeypatch.setattr(synthetic, "generate", lambda section: calls.append(section) or real(section))
+    inputs._synthetic_splits.cache_clear()
+    cfg = load_config("tiny-cpu", [f"run.output_root={Path('/nonexistent')}"])
+    world = real(cfg.data.synthetic)
+    est = plan_run(cfg, measured=None)
+    assert len(calls) == 1
+    train = sum(task.split == "train" for task in world.tasks)
+    assert f"{train} training prompts" in est.assumptions[0]
+    inputs._synthetic_splits.cache_clear()

@@ -15,7 +15,8 @@ import re
 import subprocess
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+from stages.core.env import PROJECT_ROOT
+
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
@@ -153,8 +154,8 @@ def test_the_readme_layout_says_where_a_new_stage_goes() -> None:
     # the recipe itself is stated once, in CONTRIBUTING.md, naming every file a new stage touches
     recipe = (PROJECT_ROOT / "CONTRIBUTING.md").read_text().split("\n## Adding a stage\n", 1)[1].split("\n## ", 1)[0]
     for named in ("stages/core/stage_spec.py", "STAGE_SPECS", "stages/<name>/", "flows/pipeline.py", "tasks/<name>.py",
-                  "entry_task", "stage-<name>", "python -m flows.deployments --write",
-                  "python -m stages.core.key_coverage --write"):
+                  "entry_task", "stage-<name>", "python -m flows.cli docs --write",
+                  "stages/core/config/<name>.py", "stages/core/config/root.py", "docs/config.md", "@publishes"):
         assert named in recipe, f"CONTRIBUTING.md, Adding a stage: {named} is not named"
     from stages.core.stage_spec import STAGE_SPECS, StageSpec
 

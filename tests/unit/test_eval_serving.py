@@ -196,10 +196,7 @@ def test_a_clean_stop_shows_one_line_and_leaves_the_teardown_in_the_log(tmp_path
     endpoint = _serve_fake(tmp_path, "clean")
     with caplog.at_level(logging.INFO, logger="arpo"):
         stop_server(endpoint)
-    console = [r.getMessage() for r in caplog.records]
-    assert console[0].startswith("vllm server | $ ")                                  # the log's command line
-    assert console[1] == "vllm server | INFO:     Application startup complete."   # while serving: forwarded
-    console = console[2:]
+    console = [r.getMessage() for r in caplog.records]  # its start-up ("$ <command>", startup complete): log only
     assert len(console) == 1 and console[0].startswith(f"stopped vllm server {endpoint.url} (process group ")
     assert "; exit 0, " in console[0] and console[0].endswith(f"full output in {endpoint.meta['log']}")
     # 7 lines: [shutdown] (other), the 3-line traceback (errors), nanobind's 2, the tracker's warning
@@ -209,6 +206,80 @@ def test_a_clean_stop_shows_one_line_and_leaves_the_teardown_in_the_log(tmp_path
     kept = Path(endpoint.meta["log"]).read_text()
     assert all(word in kept for word in NOISE)                                       # the log keeps them all
     assert group_members(endpoint.meta["pgid"]) == []
+
+
+# A stand-in for vLLM's start: its 35 route lines (vLLM 0.32's start-up lists every route), then /health answers;
+# `fail` exits with an engine error instead, as a start that runs out of memory does.
+FAKE_VLLM = """
+import http.server, sys
+port, mode = int(sys.argv[1]), sys.argv[2]
+for n in range(35):
+    print(f"(APIServer pid=1) INFO 12:00:00 [launcher.py:46] Route: /v1/route{n}, Methods: POST", flush=True)
+if mode == "fail":
+    print("(EngineCore pid=2) ERROR 12:00:01 [core.py:700] RuntimeError: not enough KV cache memory", flush=True)
+    sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, fmt, *args):
+        print(f'(APIServer pid=1) INFO:     127.0.0.1:5 - "GET {self.path} HTTP/1.1" 200 OK', flush=True)
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    from stages.eval import serving
+
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    monkeypatch.setattr(serving, "resolve_vllm", lambda cfg: cfg)
+    monkeypatch.setattr(serving, "vllm_env", lambda cfg: dict(os.environ))
+    monkeypatch.setattr(serving, "vllm_command", lambda cfg, path, name, port: [sys.executable, str(script),
+                                                                                str(port), mode])
+
+
+def test_a_server_start_is_one_line_and_only_its_warnings_follow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog) -> None:
+    from stages.eval.serving import follow_output
+
+    _fake_vllm(tmp_path, monkeypatch, "serve")
+    with caplog.at_level(logging.INFO, logger="arpo"):
+        endpoint = start_server(ServeSection(startup_timeout_s=60), MODEL, tmp_path)
+        follow_output(endpoint, "vllm server")  # as serve_task does
+        log_file = Path(endpoint.meta["log"])
+        with open(log_file, "a", encoding="utf-8") as log:  # what it prints while it serves, as vLLM would
+            log.write("(APIServer pid=1) INFO 12:00:10 [loggers.py:127] Engine 000: Avg generation throughput: 9.1\n"
+                      "(APIServer pid=1) WARNING 12:00:11 [protocol.py:80] The following fields were present in the "
+                      "request but ignored: {'seed_offset'}\n")
+        deadline = time.monotonic() + 30
+        while not any("WARNING" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop_server(endpoint)
+    console = [r.getMessage() for r in caplog.records]
+    port = endpoint.url.split(":")[-1].removesuffix("/v1")
+    assert len(console) == 3, console  # the start, the one warning while serving, the stop
+    assert console[0].startswith(f"vllm server for Qwen2.5-7B-Instruct up at http://127.0.0.1:{port}/v1 in ")
+    assert console[0].endswith(f"(its output: {log_file})")
+    assert console[1] == ("vllm server | (APIServer pid=1) WARNING 12:00:11 [protocol.py:80] The following fields were "
+                          "present in the request but ignored: {'seed_offset'}")
+    # the throughput line is counted, not shown; the 35 routes and the health checks of its start, not even counted
+    assert console[2].startswith(f"stopped vllm server {endpoint.url} ") and \
+        "not shown: 1 lines of its own below WARNING" in console[2]
+    assert log_file.read_text().count("Route: /v1/route") == 35  # the log keeps every line
+
+
+def test_a_failed_start_raises_with_the_log_tail_and_prints_nothing_else(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog) -> None:
+    _fake_vllm(tmp_path, monkeypatch, "fail")
+    with caplog.at_level(logging.INFO, logger="arpo"), pytest.raises(ServeError) as failed:
+        start_server(ServeSection(startup_timeout_s=60), MODEL, tmp_path)
+    message = str(failed.value)
+    assert message.startswith("the vllm server exited with code ") and "before healthy; log " in message
+    assert message.rstrip().endswith("ERROR 12:00:01 [core.py:700] RuntimeError: not enough KV cache memory")
+    assert "Route: /v1/route34" in message  # the tail: its last lines
+    assert not [r for r in caplog.records if "Route:" in r.getMessage()]
 
 
 @pytest.mark.parametrize("mode, grace, problem", [

@@ -1,6 +1,6 @@
 """Bad input is refused when the config or the data loads, with the key, the file (and row) and the fix: settings the
 chosen mode ignores (one rule in the config layer), sizes that cannot work, missing / unreadable / malformed input
-files (stages.core.inputs), and a train set smaller than one batch."""
+files (stages.core.input_files), and a train set smaller than one batch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from stages.core.config.loader import CONFIG_DIR, ConfigError, load_config
 from stages.core.config.root import RunConfig
 from stages.core.errors import BadInputError, MissingInputError
 from stages.core.input_check import check_inputs
-from stages.core.inputs import check_input, check_rl_rows, hash_input, input_file
+from stages.core.input_files import check_input, check_rl_rows, hash_input, input_file
 from stages.core.refs import DatasetRef
 from stages.core.rl_parquet import make_row, write_rl_parquet
 

@@ -49,7 +49,7 @@ def test_input_error_in_the_child_comes_back_as_an_input_error(tmp_path: Path, m
 
 def test_a_deterministic_error_in_the_child_stays_one(tmp_path: Path, caplog) -> None:
     # a config error is raised again by every retry: the parent raises it again as an input error with the child's
-    # message (tasks/common.py does not retry a DeterministicError), and the child's one-line error reached our log
+    # message (tasks/stage_tasks.py does not retry a DeterministicError), and the child's one-line error reached our log
     from stages.core.errors import BadInputError
 
     with caplog.at_level("INFO", logger="arpo"), pytest.raises(BadInputError) as err:

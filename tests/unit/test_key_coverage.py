@@ -89,4 +89,4 @@ def test_another_sections_field_leaves_the_rl_and_sft_keys() -> None:
 
 def test_the_table_in_docs_caching_md_is_the_one_the_code_gives() -> None:
     assert key_coverage.documented() == key_coverage.table(), \
-        "docs/caching.md is out of date: run `python -m stages.core.key_coverage --write`"
+        "docs/caching.md is out of date: run `python -m flows.cli docs --write`"

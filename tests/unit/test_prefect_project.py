@@ -53,7 +53,7 @@ def test_every_route_beats_at_the_same_rate():
     from flows.deployments import PREFECT_YAML, job_variables, written_job_variables
 
     assert written_job_variables(PREFECT_YAML.read_text()) == job_variables(), \
-        "prefect.yaml's job variables are stale: run python -m flows.deployments --write"
+        "prefect.yaml's job variables are stale: run python -m flows.cli docs --write"
     deployments = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
     pools = deployments["definitions"]["work_pools"].values()
     assert {pool["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] for pool in pools} == {str(HEARTBEAT_S)}

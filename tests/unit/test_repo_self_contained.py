@@ -13,7 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+from stages.core.env import PROJECT_ROOT
 
 # Built from pieces so that this file does not match itself.
 _SHARED = r"\.\./" + "shared"

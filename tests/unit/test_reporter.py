@@ -22,22 +22,6 @@ from stages.core.reporter import (
 from stages.core.streams import FileFollower, LineForwarder, guess_level
 
 
-class Recorder(reporter.Reporter):
-    def __init__(self) -> None:
-        self.messages: list[dict] = []
-
-    def handle(self, message: dict) -> None:
-        self.messages.append(message)
-
-
-@pytest.fixture
-def recorded():
-    rec = Recorder()
-    previous = reporter.set_reporter(rec)
-    yield rec.messages
-    reporter.set_reporter(previous)
-
-
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

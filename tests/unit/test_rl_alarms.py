@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-from stages.core import reporter
 from stages.core.config.rl import AlarmSection
 from stages.core.errors import DeterministicError
 from stages.rl.alarms import AlarmStop, AlarmWatch, alarms_markdown, detect_alarms
@@ -131,20 +130,6 @@ def test_disabled_alarms_stay_quiet():
     assert fired(rows, AlarmSection(enabled=False)) == {}
 
 
-class Recorder(reporter.Reporter):
-    def __init__(self) -> None:
-        self.messages: list[dict] = []
-
-    def handle(self, message: dict) -> None:
-        self.messages.append(message)
-
-
-@pytest.fixture
-def recorded():
-    rec = Recorder()
-    previous = reporter.set_reporter(rec)
-    yield rec.messages
-    reporter.set_reporter(previous)
 
 
 def test_watch_flags_the_row_reports_and_warns_without_stopping(tmp_path, recorded):

@@ -198,7 +198,7 @@ def test_docs_rollout_holds_the_generated_branch_rules() -> None:
     from stages.rl.strategies import BRANCH_RULES
 
     assert rules_doc.documented() == rules_doc.table(), \
-        "docs/rollout.md's branch rules are stale: run python -m stages.rl.rules_doc --write"
+        "docs/rollout.md's branch rules are stale: run python -m flows.cli docs --write"
     # by hand: ARPO's rule names tau and w, AEPO's also the penalty p; the card fills in the run's values
     assert [BRANCH_RULES.get(n).symbols for n in ("arpo", "aepo")] == [["tau", "w"], ["tau", "w", "p"]]
     ro = RolloutSection(branch_probability=0.5, entropy_weight=0.2, branch_penalty=0.05)

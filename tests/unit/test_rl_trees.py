@@ -336,3 +336,15 @@ def test_a_big_step_shows_less_text_per_piece(monkeypatch):
     monkeypatch.setattr(tree_page, "TEXT_BUDGET", 800)
     assert tree_page.text_limit(groups) == 400                            # the floor
     assert tree_page.clip_text("a" * 10 + "b" * 10, 10) == "aaaaa\n[… 10 characters not shown …]\nbbbbb"
+
+
+def test_the_curves_and_the_trees_are_saved_atomically_and_closed(tmp_path):
+    # one helper for both figures (stages.core.atomic.save_figure): the PNG appears whole, no temp file stays, and
+    # the figure is closed (a run plots every step)
+    import matplotlib.pyplot as plt
+
+    from stages.rl.step_metrics import plot_curves
+
+    png = plot_curves([{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3}], tmp_path / "c" / "c.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in png.parent.iterdir()] == ["c.png"] and plt.get_fignums() == []

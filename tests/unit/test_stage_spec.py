@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
+import sys
 import typing
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def test_the_order_and_names_come_from_the_table() -> None:
 
 
 def test_a_misspelled_stage_name_fails_with_the_nearest_names() -> None:
-    from tasks.common import entry_task, stage_task
+    from tasks.stage_tasks import entry_task, stage_task
 
     with pytest.raises(SelectionError, match=r"unknown stage 'sftt' \(did you mean 'sft'\?\)"):
         select_stages(only=["sftt"])
@@ -77,10 +78,8 @@ def test_a_misspelled_stage_name_fails_with_the_nearest_names() -> None:
     ("score", {"group": "evl"}, r"score: group 'evl' names no other stage .*\(did you mean 'eval'\?\)"),
     ("infer", {"group": "data"}, r"infer: group 'data' is also a stage's name: `--only data` and the deployment "
                                  r"stage-data would mean two things"),
-    ("data", {"publish": "tasks.publish.data_files"},
-     r"data: publish 'tasks.publish.data_files' is not 'package.module:function'"),
     ("merge", {"entry": "stages.rl.merge"}, r"merge: entry 'stages.rl.merge' is not 'package.module:function'"),
-], ids=["part_of-typo", "part_of-itself", "part-with-group", "group-typo", "group-is-a-stage", "publish", "entry"])
+], ids=["part_of-typo", "part_of-itself", "part-with-group", "group-typo", "group-is-a-stage", "entry"])
 def test_a_line_that_contradicts_the_table_fails_when_the_table_is_built(stage: str, change: dict,
                                                                         message: str) -> None:
     # hand-built bad lines: each is the real table with one line changed
@@ -95,7 +94,7 @@ def test_a_stage_with_two_lines_fails_when_the_table_is_built() -> None:
 
 
 def test_a_stage_without_a_module_of_its_own_gets_its_task_from_its_line() -> None:
-    from tasks.common import StageKey, entry_task
+    from tasks.stage_tasks import StageKey, entry_task
 
     heldout = entry_task("heldout", "sft")   # the flow runs heldout once per policy: the run is named after it
     assert (heldout.name, heldout.task_run_name, entry_task("heldout").task_run_name) == ("heldout", "heldout-sft",
@@ -129,11 +128,14 @@ def run_distill(cfg, policy, output_root, force=False):
 @pytest.fixture
 def distill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StageSpec:
     """One line added to the table (after RL), and the stage's package; nothing else is edited."""
+    for cached in [m for m in sys.modules if m.partition(".")[0] == "distill_stage"]:  # another test's package
+        monkeypatch.delitem(sys.modules, cached)
     (tmp_path / "distill_stage").mkdir()
     (tmp_path / "distill_stage" / "__init__.py").write_text("")
     (tmp_path / "distill_stage" / "stage.py").write_text(DISTILL)
     monkeypatch.syspath_prepend(str(tmp_path))
-    line = StageSpec("distill", ("rl",), "distill_stage.stage:run_distill", "distill_key", isolatable=True)
+    line = StageSpec(name="distill", sections=("rl",), entry="distill_stage.stage:run_distill", key="distill_key",
+                     isolatable=True)
     specs = list(STAGE_SPECS)
     specs.insert(specs.index(SPECS["rl"]) + 1, line)
     monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(specs)))
@@ -144,7 +146,7 @@ def test_a_new_stage_is_one_line_and_its_package(distill: StageSpec, tmp_path: P
     from flows.deployments import stage_deployments
     from stages.core.config.loader import load_config
     from stages.core.preflight import preflight
-    from tasks.common import StageKey, StageRunner, cache_key, entry_task
+    from tasks.stage_tasks import StageKey, StageRunner, cache_key, entry_task
 
     table = stage_spec.table()
     assert table.stages == ("data", "bootstrap", "sft", "rl", "distill", "merge", "heldout", "infer", "score",
@@ -177,11 +179,98 @@ def test_a_new_stage_is_one_line_and_its_package(distill: StageSpec, tmp_path: P
     assert runner._inputs(task, {}) == {"output_root": cfg.run.output_root, "python": None}
 
 
+HOOK = """
+from tasks.publish import publishes
+
+PUBLISHED = []
+
+
+@publishes("distill")
+def published(result, *, policy):
+    PUBLISHED.append((policy.path, result.path))
+"""
+
+
+def test_a_publish_hook_is_checked_against_its_entry_when_it_loads(distill: StageSpec, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tasks import publish
+
+    monkeypatch.setattr(publish, "HOOKS", dict(publish.HOOKS))
+    package = tmp_path / "distill_stage"
+    (package / "hook.py").write_text(HOOK)
+    importlib.import_module("distill_stage.hook")  # reads `policy`, a parameter of run_distill: registered
+    assert publish.HOOKS["distill"].inputs == ("policy",)
+    # the same stage line with its entry's `policy` renamed `student`: the same hook now fails as it loads
+    (package / "renamed.py").write_text(DISTILL.replace("policy", "student"))
+    renamed = dataclasses.replace(distill, entry="distill_stage.renamed:run_distill")
+    monkeypatch.setattr(stage_spec, "TABLE", StageTable(tuple(renamed if s.name == "distill" else s
+                                                              for s in stage_spec.TABLE.specs)))
+    publish.HOOKS.pop("distill")
+    (package / "hook_again.py").write_text(HOOK)
+    with pytest.raises(StageTableError, match=r"publish hook distill_stage.hook_again.published of stage 'distill' "
+                       r"reads 'policy', which its entry distill_stage.renamed:run_distill does not take \(its "
+                       r"parameters: cfg, student, output_root\)"):
+        importlib.import_module("distill_stage.hook_again")
+    assert "distill" not in publish.HOOKS
+    # a stage not in the table, a second hook, a hook that takes the inputs positionally: each fails too
+    with pytest.raises(UnknownStageError, match=r"'distil' \(did you mean 'distill'\?\)"):
+        publish.publishes("distil")(lambda result: None)
+    with pytest.raises(StageTableError, match="stage 'sft' has two publish hooks"):
+        publish.publishes("sft")(lambda result: None)
+    with pytest.raises(StageTableError, match=r"takes the entry's result, then the entry inputs it reads as "
+                                              r"keyword-only parameters"):
+        publish.publishes("distill")(lambda result, cfg: None)
+
+
+def test_the_stage_hooks_read_only_inputs_their_entries_take() -> None:
+    from stages.core.isolate import resolve
+    from tasks.publish import HOOKS
+
+    assert set(HOOKS) == {"data", "sft", "dpo", "merge", "report"}
+    for stage, hook in HOOKS.items():  # the check made as tasks/publish.py loaded, restated from the lines
+        assert set(hook.inputs) <= set(inspect.signature(resolve(SPECS[stage].entry)).parameters), stage
+    # by hand: DPO compares its checkpoint with what it was given, merge names its source, the report counts scores
+    assert (HOOKS["dpo"].inputs, HOOKS["merge"].inputs, HOOKS["report"].inputs) == (("checkpoint",), ("ckpt", "cfg"),
+                                                                                     ("scores",))
+
+
+def test_no_stage_module_names_a_task_module() -> None:
+    # the lowest floor never points up at the task layer, not even as a string ("tasks.jsonl", a data file, is fine)
+    import tasks as task_package
+
+    task_modules = {f"tasks.{info.name}" for info in pkgutil.iter_modules(task_package.__path__)}
+    named = [(path, node.value) for path in (Path(stage_spec.__file__).parents[1]).rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and node.value.partition(":")[0] in task_modules]
+    assert not named
+
+
+def test_one_stage_call_looks_its_line_up_once(distill: StageSpec, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages.core.config.loader import load_config
+    from stages.core.refs import CheckpointRef
+    from tasks.stage_tasks import StageRunner, _refreshes, entry_task
+
+    cfg = load_config("tiny-cpu", [])
+    lookups = []
+    real = StageTable.spec
+    monkeypatch.setattr(StageTable, "spec", lambda table, name: lookups.append(name) or real(table, name))
+    task = entry_task("distill")  # the wiring line names the stage: the one lookup
+    runner = StageRunner(select_stages(refresh=["distill"]), cfg.run.model_copy(update={"interpreters": {}}))
+    inputs = runner._inputs(task, {"output_root": str(tmp_path)})
+    assert _refreshes(runner.selection, task)  # the refresh is read off the task's line
+    policy = CheckpointRef(path="/p", fingerprint="f" * 16, format="hf")
+    ref = task.fn(cfg.rl, policy, **inputs)  # the task's body: the entry point its line names
+    assert (Path(ref.path) / "student.txt").read_text() == "distilled from /p"
+    assert lookups == ["distill"]
+
+
 def test_prefect_yaml_holds_the_generated_stage_deployments() -> None:
     from flows.deployments import PREFECT_YAML, stage_deployments, written_stage_deployments
 
     assert written_stage_deployments(PREFECT_YAML.read_text()) == stage_deployments(), \
-        "prefect.yaml is out of date: run `python -m flows.deployments --write`"
+        "prefect.yaml is out of date: run `python -m flows.cli docs --write`"
     project = yaml.safe_load(PREFECT_YAML.read_text())
     stage = {d["name"]: d for d in project["deployments"] if d["name"].startswith("stage-")}
     assert tuple(stage) == DEPLOYMENTS
@@ -204,23 +293,19 @@ def _folder_names(module: str) -> set[str]:
 
 @pytest.mark.parametrize("spec", STAGE_SPECS, ids=lambda s: s.name)
 def test_each_stage_writes_the_folder_named_after_it_with_the_key_the_table_names(spec: StageSpec) -> None:
-    from tasks.common import StageKey, entry_task
+    from tasks.stage_tasks import StageKey, entry_task
 
     module = importlib.import_module(spec.module)
     assert callable(getattr(module, spec.entry.partition(":")[2])) and callable(getattr(module, spec.key))
     assert _folder_names(spec.module) == {spec.name}
-    if spec.publish:  # like the entry: a function, in tasks/ (a stage never imports Prefect), taking (inputs, result)
-        hook_module, _, name = spec.publish.partition(":")
-        hook = getattr(importlib.import_module(hook_module), name)
-        assert hook_module.startswith("tasks.") and callable(hook)
-        inspect.signature(hook).bind({}, None)
     import tasks as task_package  # every task module, found, not listed
+    from tasks.publish import HOOKS
 
     written = [t for info in pkgutil.iter_modules(task_package.__path__)
                for t in vars(importlib.import_module(f"tasks.{info.name}")).values()
                if isinstance(getattr(t, "cache_policy", None), StageKey) and t.cache_policy.stage == spec.name]
-    assert not (written and spec.publish), f"{spec.name}: a task written by hand publishes itself; the line names " \
-        "a hook only for the task entry_task builds"
+    assert not (written and spec.name in HOOKS), f"{spec.name}: a task written by hand publishes itself; a hook " \
+        "is registered only for the task entry_task builds"
     tasks = written or [entry_task(spec.name)]  # no module of its own: the task its line builds
     assert all(t.name == spec.name and t.cache_policy.function.__name__ == spec.key for t in tasks)
 
@@ -249,3 +334,17 @@ def test_inputs_are_checked_for_the_sections_the_selected_stages_read(tmp_path) 
     verl = load_config("tiny-cpu", [f"run.interpreters={{rl: {tmp_path / 'nope' / 'python'}}}"])
     with pytest.raises(InputError, match=r"\(./scripts/setup-gpu.sh builds .venv-verl"):  # the table's hint
         check_inputs(verl, ["rl"])
+
+
+def test_the_tables_rows_name_every_value() -> None:
+    # a row of ten positional values reads as a list of numbers: each table's row type takes keywords only
+    from stages.core.algorithm_spec import AlgorithmSpec
+    from stages.core.engine_spec import EngineSpec
+    from stages.core.tracking.backends import BackendLine
+    from stages.eval.benchmarks import BenchmarkSpec, HubSource
+    from stages.rl.reference_code import ReferenceSetting
+
+    for row in (StageSpec, AlgorithmSpec, EngineSpec, BackendLine, BenchmarkSpec, HubSource, ReferenceSetting):
+        assert all(f.kw_only for f in dataclasses.fields(row)), row.__name__
+    with pytest.raises(TypeError, match="positional"):
+        StageSpec("data", ("data",), "stages.data.prepare:prepare_data", "data_key")  # type: ignore[misc]

@@ -327,7 +327,7 @@ class PageFetcher:
 
 
 def _load_replay(path: str | None) -> dict[str, object]:
-    from stages.core.inputs import resolve
+    from stages.core.input_files import resolve
 
     path = str(resolve(path, project_relative=True)) if path else path   # not the worker's folder: the project's
     if not path or not Path(path).is_file():

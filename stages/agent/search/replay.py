@@ -19,7 +19,7 @@ from stages.agent.search.base import (
     parse_formatted,
 )
 from stages.core.fingerprint import hash_file
-from stages.core.inputs import resolve
+from stages.core.input_files import resolve
 
 
 def _is_results(value: object) -> bool:
@@ -34,7 +34,7 @@ class ReplayBackend(SearchBackend):
     name = "replay"
 
     def __init__(self, path: str | Path) -> None:
-        # relative to the project root as everywhere (stages/core/inputs.py), not to the process's working folder:
+        # relative to the project root as everywhere (stages/core/input_files.py), not to the process's working folder:
         # verl's agent-loop workers run in Ray's (found by the first verl rehearsal)
         self.path = resolve(str(path), project_relative=True)
         if not self.path.is_file():

@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from stages.core.config.browse import BrowseSection, SummarizerSection
 from stages.core.config.section import Section, registry, used_when
-from stages.core.inputs import input_file
+from stages.core.input_files import input_file
 
 
 class PythonToolSection(Section):
@@ -107,6 +107,10 @@ class ToolLimitsSection(Section):
                                    "applies")
     reject_repeated_queries: bool = Field(
         True, description="a search query already made in this trajectory gets a 'refer to previous results' note")
+
+    def per_tool(self, tool: str) -> int | None:
+        """The cap on calls to `tool` (None: only the total applies); each capped tool named once, here."""
+        return {"python": self.max_python, "search": self.max_search}.get(tool)
 
 
 class ToolCacheSection(Section):

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from stages.core.config.section import Section, used_when
 from stages.core.config.serve import ServeSection
-from stages.core.inputs import input_file
+from stages.core.input_files import input_file
 
 DESKTOP_USER_AGENT = ("Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36 (KHTML, like Gecko) "
                       "Chrome/58.0.3029.110 Safari/537.36")

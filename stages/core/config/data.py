@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from stages.core.config.section import Section, used_when
-from stages.core.inputs import input_file
+from stages.core.input_files import input_file
 
 PARQUET = used_when(source="parquet")
 RL_PARQUET = {**PARQUET, **input_file("parquet", columns=("prompt", "reward_model"))}

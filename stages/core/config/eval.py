@@ -36,7 +36,7 @@ class JudgeSection(Section):
 
 class HeldoutSection(Section):
     """What each stage bought: the base, SFT and RL policies evaluated in process on one held-out split of the data
-    stage, side by side in the eval report (stage `heldout`; stages/heldout/evaluate.py, docs/eval.md)."""
+    stage, side by side in the eval report (stage `heldout`; stages/heldout/stage.py, docs/eval.md)."""
 
     enabled: bool = Field(False, description="evaluate base, SFT and RL policies on the held-out split (stage "
                                              "`heldout`) and show them side by side in the report")

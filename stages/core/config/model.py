@@ -5,7 +5,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from stages.core.config.section import Section, used_when
-from stages.core.inputs import input_file
+from stages.core.input_files import input_file
 
 GGUF = used_when(source="pypi_gguf")
 

@@ -61,7 +61,7 @@ class RolloutSection(Section):
         "error", description="a prompt longer than max_prompt_length: fail naming the row, keep its last "
         "max_prompt_length tokens, or leave the row out with a warning")
     kv_reuse: bool = Field(True, description="transformers backend: keep KV caches across rounds and share "
-                           "them with branches; false re-prefills every context each round (baseline)",
+                           "them with branches; false re-prefills every context each round (the plain path)",
                            json_schema_extra=used_when(backend="transformers"))
     generate_timeout_s: float | None = Field(
         DEFAULT_GENERATE_TIMEOUT_S, gt=0,

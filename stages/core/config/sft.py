@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
 
 from stages.core.config.section import Section, registry, used_when
-from stages.core.inputs import input_file
+from stages.core.input_files import input_file
 
 LORA = used_when(finetuning_type="lora")  # SFT only: DPO has no finetuning_type (always LoRA)
 SFT_FILE = used_when(dataset="file")

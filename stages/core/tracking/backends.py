@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from stages.core.log import get_logger
 from stages.core.registry import Registry
@@ -24,7 +24,7 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackendLine:
     """name: the config value; module: the module holding its `Backend` class (imported when used); verl_logger:
     its name in verl's trainer.logger (verl/utils/tracking.py Tracking.supported_backend), None when verl has none;
@@ -39,11 +39,13 @@ class BackendLine:
 
 
 TRACKING_BACKENDS: Registry[BackendLine] = Registry("tracking backend")
-for _line in (BackendLine("none", None, None, "none"),
-              BackendLine("mlflow", "stages.core.tracking.mlflow_backend", "mlflow", "mlflow", "mlflow"),
-              BackendLine("wandb", "stages.core.tracking.wandb_backend", "wandb", "wandb", "wandb"),
-              BackendLine("tensorboard", "stages.core.tracking.tensorboard_backend", "tensorboard", "tensorboard",
-                          "tensorboard")):
+for _line in (BackendLine(name="none", module=None, verl_logger=None, report_to="none"),
+              BackendLine(name="mlflow", module="stages.core.tracking.mlflow_backend", verl_logger="mlflow",
+                          report_to="mlflow", local_folder="mlflow"),
+              BackendLine(name="wandb", module="stages.core.tracking.wandb_backend", verl_logger="wandb",
+                          report_to="wandb", local_folder="wandb"),
+              BackendLine(name="tensorboard", module="stages.core.tracking.tensorboard_backend",
+                          verl_logger="tensorboard", report_to="tensorboard", local_folder="tensorboard")):
     TRACKING_BACKENDS.register(_line.name)(_line)
 
 
@@ -118,43 +120,44 @@ class Tracker:
                         self.ctx.backend, what, reason)
             return None
 
-    def call(self, what: str, method: str, *args: Any) -> Any:
-        """`backend.<method>(*args)` behind the guard; None when off or failed."""
-        if self.backend is None:
+    def call(self, what: str, fn: Callable[[Backend], T]) -> T | None:
+        """`fn(backend)` behind the guard; None when off or failed."""
+        backend = self.backend
+        if backend is None:
             return None
-        return self._call(what, lambda: getattr(self.backend, method)(*args))
+        return self._call(what, lambda: fn(backend))
 
     def start_run(self, name: str, tags: Mapping[str, str], parent_id: str | None) -> str | None:
-        return self.call(f"start the run {name!r}", "start_run", name, dict(tags), parent_id)
+        return self.call(f"start the run {name!r}", lambda b: b.start_run(name, dict(tags), parent_id))
 
     def log_metrics(self, run_id: str | None, metrics: Mapping[str, float], step: int | None = None) -> None:
         if run_id and metrics:
-            self.call("log metrics", "log_metrics", run_id, dict(metrics), step)
+            self.call("log metrics", lambda b: b.log_metrics(run_id, dict(metrics), step))
 
     def log_summary(self, run_id: str | None, metrics: Mapping[str, float]) -> None:
         if run_id and metrics:
-            self.call("log summary metrics", "log_summary", run_id, dict(metrics))
+            self.call("log summary metrics", lambda b: b.log_summary(run_id, dict(metrics)))
 
     def log_params(self, run_id: str | None, params: Mapping[str, str]) -> None:
         if run_id and params:
-            self.call("log params", "log_params", run_id, dict(params))
+            self.call("log params", lambda b: b.log_params(run_id, dict(params)))
 
     def log_artifact(self, run_id: str | None, path: Path) -> None:
         if run_id and Path(path).is_file():
-            self.call(f"store {Path(path).name}", "log_artifact", run_id, Path(path))
+            self.call(f"store {Path(path).name}", lambda b: b.log_artifact(run_id, Path(path)))
 
     def set_tags(self, run_id: str | None, tags: Mapping[str, str]) -> None:
         if run_id and tags:
-            self.call("set tags", "set_tags", run_id, dict(tags))
+            self.call("set tags", lambda b: b.set_tags(run_id, dict(tags)))
 
     def end_run(self, run_id: str | None, failed: bool = False) -> None:
         if run_id:
-            self.call("end a run", "end_run", run_id, failed)
+            self.call("end a run", lambda b: b.end_run(run_id, failed))
 
     def handoff_env(self, run_id: str | None, name: str) -> dict[str, str]:
         if not run_id:
             return {}
-        return self.call("hand a run to another process", "handoff_env", run_id, name) or {}
+        return self.call("hand a run to another process", lambda b: b.handoff_env(run_id, name)) or {}
 
 
 def _backend_class(module: str) -> type[Backend]:

@@ -15,6 +15,7 @@ from typing import Any
 
 TRACKING_ENV = "ARPO_TRACKING"
 RECORD_FILE = "tracking.json"   # in a stage folder: the run that produced it (written before the folder is finished)
+CARD_FILE = "algorithm_card.md"  # the algorithm card (stages/rl/card.py): in the RL stage folder and the run's folder
 NOT_METRICS = frozenset({"step", "pid", "resumed_from", "batch_position"})  # metrics.jsonl fields that are no curve
 
 

@@ -24,11 +24,10 @@ from stages.core.config.root import RunConfig
 from stages.core.log import get_logger
 from stages.core.provenance import git_state
 from stages.core.tracking.backends import TRACKING_BACKENDS, tracker_for
-from stages.core.tracking.context import TRACKING_ENV, TrackingContext, flatten, safe_key, stage_run_name
+from stages.core.tracking.context import CARD_FILE, TRACKING_ENV, TrackingContext, flatten, safe_key, stage_run_name
 from stages.core.tracking.stage import read_record
 
 log = get_logger(__name__)
-CARD_FILE = "algorithm_card.md"
 _open_parents: dict[str, TrackingContext] = {}
 
 

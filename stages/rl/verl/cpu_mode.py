@@ -37,8 +37,3 @@ def plugin_modules(vs: VerlSection) -> list[str]:
 def extra_overrides(vs: VerlSection) -> list[str]:
     """The raw overrides appended last: CPU_OVERRIDES in CPU mode, then rl.verl.extra_overrides (which win)."""
     return [*(CPU_OVERRIDES if vs.cpu_mode else ()), *vs.extra_overrides]
-
-
-def cpu_mode_args() -> list[str]:
-    """`arpo run` arguments that put verl in its CPU mode."""
-    return ["-o", "rl.verl.cpu_mode=true"]

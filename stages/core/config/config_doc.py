@@ -1,4 +1,4 @@
-"""The config reference, docs/config.md, made from the config models (never typed): every section's fields with
+"""The config page, docs/config.md, made from the config models (never typed): every section's fields with
 their type, default, bounds, description and when they are used.
 
 The models are the one place a default and its description live (CONTRIBUTING.md, Conventions); this page is
@@ -8,11 +8,8 @@ description, and when it is used (`used_when`: refused when set under another mo
 any work; `unread`: read by a tool outside). A section whose model and default another section already showed
 links there instead of repeating the table (`eval.judge.serve` is a `serve`).
 
-    python -m stages.core.config.reference            # print the page
-    python -m stages.core.config.reference --write    # rewrite docs/config.md
-    python -m stages.core.config.reference --check    # exit 1 when the page is stale or a field has no description
-
-tests/unit/test_config_reference.py fails on either.
+Rewritten and checked with every other generated block: `python -m flows.cli docs --write` (flows/generated_docs.py),
+which also fails on a field without a description (`undocumented`); so does tests/unit/test_config_doc.py.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -31,6 +27,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from stages.core.config.root import RunConfig
+from stages.core.doc_block import DOCS_COMMAND
 from stages.core.env import PROJECT_ROOT
 from stages.core.registry import find_registry
 from stages.core.stage_spec import TABLE
@@ -38,7 +35,6 @@ from stages.core.stage_spec import TABLE
 TAG = re.compile(r"<(?=[A-Za-z/!?])")  # what Markdown would read as the start of an HTML tag
 TOP = "Top level"  # the heading of RunConfig's own settings
 DOC = PROJECT_ROOT / "docs" / "config.md"
-COMMAND = "python -m stages.core.config.reference --write"
 BOUNDS = ((at.Ge, "ge", ">="), (at.Gt, "gt", ">"), (at.Le, "le", "<="), (at.Lt, "lt", "<"),
           (at.MinLen, "min_length", "length >="), (at.MaxLen, "max_length", "length <="))
 
@@ -208,9 +204,9 @@ def _intro(table: Table) -> list[str]:
 
 
 def render() -> str:
-    out = ["# Config reference", "",
-           f"Generated from the config models (`stages/core/config/`) by `{COMMAND}`: do not edit it by hand "
-           "(`tests/unit/test_config_reference.py` fails when it is stale or a field has no description). The "
+    out = ["# Config keys", "",
+           f"Generated from the config models (`stages/core/config/`) by `{DOCS_COMMAND}`: do not edit it by hand "
+           "(`tests/unit/test_config_doc.py` fails when it is stale or a field has no description). The "
            "models hold every default, once; a profile (`configs/profiles/`) states only what differs from them, "
            "and `arpo config show --diff -p NAME` lists what it changes.", "",
            "Columns: **bounds** are the checks a value must pass when the config loads (a registry's names are "
@@ -228,29 +224,3 @@ def render() -> str:
         out += ["| key | type | default | bounds | description | when used |", "|---|---|---|---|---|---|"]
         out += ["| " + " | ".join(row) + " |" for row in table.rows] + [""]
     return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    missing = undocumented()
-    for key in missing:
-        print(f"problem: {key} has no description; give its Field(...) one", file=sys.stderr)
-    text = render()
-    current = DOC.read_text(encoding="utf-8") if DOC.is_file() else ""
-    if "--write" in args:
-        if text != current:
-            from stages.core.atomic import write_text
-
-            write_text(DOC, text)
-        print(f"{DOC.relative_to(PROJECT_ROOT)}: {'rewritten' if text != current else 'up to date'}")
-    elif "--check" in args:
-        if text != current:
-            print(f"{DOC.relative_to(PROJECT_ROOT)} is out of date: run `{COMMAND}`")
-            return 1
-    else:
-        sys.stdout.write(text)
-    return 1 if missing else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

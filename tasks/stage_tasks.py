@@ -1,14 +1,14 @@
-"""What every stage task shares: the one cache key, retries, how a forced refresh is applied, and the stage table's
-line read off the task (its name is the stage's).
+"""The stage tasks: how a stage's Prefect task is made and called. What every stage task shares: the one cache key,
+retries, how a forced refresh is applied, and the stage table's line, which the task holds.
 
 Built from the table (stages/core/stage_spec.py): `entry_task("<stage>")` is a stage's task, made from its line:
-the entry point's parameters, cached on the key function the line names, then the line's `publish` hook (its
-artifacts: tasks/publish.py); adding a stage: CONTRIBUTING.md, "Adding a stage". `stage_task("<stage>")` is the
-decorator underneath (a name not in the table raises, naming the nearest ones), whose body calls `call_entry(...)`,
-the line's entry point, here or under the interpreter the task is given. The flow calls each task through
-`StageRunner`, which reads the stage off the task and fills in its refresh, the output and cache roots and, for a
-line that may run under another interpreter, `python`.
-A module of its own (`stage_task`) only for a task doing more than call-then-publish: rl (card first), infer (retry).
+the entry point's parameters, cached on the key function the line names, then the hook the task layer registered
+for the stage (`@publishes("<stage>")`, tasks/publish.py); adding a stage: CONTRIBUTING.md, "Adding a stage".
+`stage_task("<stage>")` is the decorator underneath (a name not in the table raises, naming the nearest ones), whose
+body calls `call_entry(...)`, the line's entry point, here or under the interpreter the task is given. The task
+holds its line (`line_of(task)`): the flow calls each task through `StageRunner`, which reads the line off the task
+and fills in its refresh, the output and cache roots and, for a task that may run under another interpreter,
+`python`. One stage call looks its line up once, where the flow names the stage.
 
 One key per stage: the Prefect cache key of a stage task is the stage's own key function (the one that names its
 output folder, e.g. `stages.eval.inference.infer_key`) called on the task's inputs, plus where the folder lives
@@ -33,6 +33,7 @@ either way the cached entry is expired, so the task runs and rebuilds it instead
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import logging
@@ -77,6 +78,7 @@ class StageKey(CachePolicy):
     stage: str = ""
     key_fn: KeyFn | None = None
     target: str = ""
+    line: StageSpec | None = None  # the table's line of the stage (None for a task off the table)
 
     @property
     def function(self) -> KeyFn:
@@ -171,33 +173,47 @@ def retryable(task_: Task, task_run: TaskRun, state: State) -> bool:
     return not isinstance(failure, DeterministicError)
 
 
-def stage_task(stage: str, key: KeyFn | None = None, retries: int = 1, retry_delay_seconds: float = 5,
+def stage_task(stage: str | StageSpec, key: KeyFn | None = None, retries: int = 1, retry_delay_seconds: float = 5,
                tags: tuple[str, ...] = (), timeout_seconds: float | None = None,
                off_table: bool = False) -> Callable[[Callable[..., R]], Task]:
-    """Decorator for the task of the stage `stage` (a line of stages.core.stage_spec.STAGE_SPECS; a name not in the
-    table raises, naming the nearest ones): cached on the key function the table names, results persisted,
-    idempotent so retried (unless the error is a DeterministicError). The task's name is the stage's, as is its
-    output folder; its body calls the stage's entry point with `call_entry`. `off_table` is for a task outside the
-    table (a test's probe): cached on `key` when given, else not cached."""
-    if off_table:
-        policy: CachePolicy = StageKey(stage=stage, key_fn=key) if key is not None else NO_CACHE
+    """Decorator for the task of the stage `stage` (a line of stages.core.stage_spec.STAGE_SPECS, or its name: a
+    name not in the table raises, naming the nearest ones): cached on the key function the table names, results
+    persisted, idempotent so retried (unless the error is a DeterministicError). The task's name is the stage's, as
+    is its output folder; its body calls the stage's entry point with `call_entry`. `off_table` is for a task
+    outside the table (a test's probe): cached on `key` when given, else not cached."""
+    line = None if off_table else stage if isinstance(stage, StageSpec) else spec(stage)
+    name = line.name if line is not None else str(stage)
+    if line is None:
+        policy: CachePolicy = StageKey(stage=name, key_fn=key) if key is not None else NO_CACHE
     else:
-        policy = StageKey(stage=stage, key_fn=key, target=spec(stage).key_target)
+        policy = StageKey(stage=name, key_fn=key, target=line.key_target, line=line)
 
     def decorate(fn: Callable[..., R]) -> Task:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> R:
             apply_torch_threads()
+            running = _RUNNING.set(line)
             try:
                 return fn(*args, **kwargs)
             finally:
+                _RUNNING.reset(running)
                 locks.release_thread_locks()  # a stage that failed before finishing its folder lets go of it
 
-        return task(name=stage, cache_policy=policy, persist_result=policy is not NO_CACHE, retries=retries,
+        return task(name=name, cache_policy=policy, persist_result=policy is not NO_CACHE, retries=retries,
                     retry_delay_seconds=retry_delay_seconds, tags=list(tags), timeout_seconds=timeout_seconds,
-                    task_run_name=f"{stage}", retry_condition_fn=retryable)(run)
+                    task_run_name=name, retry_condition_fn=retryable)(run)
 
     return decorate
+
+
+# the line of the stage task running in this thread (set by stage_task's wrapper): what call_entry calls
+_RUNNING: contextvars.ContextVar[StageSpec | None] = contextvars.ContextVar("running_stage", default=None)
+
+
+def line_of(stage_task_: Task) -> StageSpec | None:
+    """The table's line a stage task was built from (None for a task off the table)."""
+    policy = stage_task_.cache_policy
+    return policy.line if isinstance(policy, StageKey) else None
 
 
 def apply_torch_threads() -> None:
@@ -244,25 +260,20 @@ def call_stage(target: str, python: str | None, **kwargs: Any) -> Any:
     return resolve(target)(**kwargs)
 
 
-def current_stage() -> StageSpec:
-    """The table's line of the stage task running now (its name is the stage's)."""
-    ctx = TaskRunContext.get()
-    if ctx is None:
-        raise RuntimeError("call_entry runs inside a stage task (tasks.common.stage_task)")
-    return spec(ctx.task.name)
-
-
 def call_entry(python: str | None = None, force: bool | None = None, **kwargs: Any) -> Any:
     """Call the running stage task's entry point (its line's `entry`) with `kwargs` and `force` (default: whether
     this task run recomputes, `forced()`), here or under the interpreter `python`."""
-    return call_stage(current_stage().entry, python, **kwargs, force=forced() if force is None else force)
+    line = _RUNNING.get()
+    if line is None:
+        raise RuntimeError("call_entry runs inside the task of a stage in the table (tasks.stage_tasks.stage_task)")
+    return call_stage(line.entry, python, **kwargs, force=forced() if force is None else force)
 
 
 def entry_task(stage: str, label: str | None = None) -> Task:
     """The task of stage `stage`, built from its line: the entry's parameters (without `force`; with `python` when
     the stage may run under another interpreter), cached on the line's key function, retried `retries` times; once
-    the entry returns, the line's `publish` hook gets the task's inputs and the result. `label` names the task run
-    `<stage>-<label>` (`heldout-sft`: the flow runs heldout once per policy) and is in no key."""
+    the entry returns, the stage's publish hook (tasks/publish.py) gets the result and the inputs it names. `label`
+    names the task run `<stage>-<label>` (`heldout-sft`: the flow runs heldout once per policy) and is in no key."""
     built = _entry_task(spec(stage))
     return built.with_options(task_run_name=f"{stage}-{label}") if label else built
 
@@ -271,10 +282,10 @@ def entry_task(stage: str, label: str | None = None) -> Task:
 def _entry_task(line: StageSpec) -> Task:
     """One task per line (a line that changes, as a test's does, gets its own)."""
     from stages.core.isolate import resolve
+    from tasks.publish import HOOKS
     from tasks.secrets import export_search_key
 
-    stage = line.name
-    publish = resolve(line.publish) if line.publish else None  # a bad hook fails here, not after the stage ran
+    publish = HOOKS.get(line.name)  # checked against the entry when registered (tasks/publish.py)
     params = [p for name, p in inspect.signature(resolve(line.entry)).parameters.items() if name != "force"]
     if line.isolatable:
         params.append(inspect.Parameter("python", inspect.Parameter.KEYWORD_ONLY, default=None))
@@ -287,33 +298,38 @@ def _entry_task(line: StageSpec) -> Task:
         inputs = bound.arguments
         if "agent" in line.sections and "agent" in inputs:
             export_search_key(inputs["agent"])  # as every task of a stage that runs the agent's tools
-        result = call_entry(**inputs)
+        result = call_stage(line.entry, inputs.pop("python", None), **inputs, force=forced())
         if publish is not None:
             publish(inputs, result)
         return result
 
     run_entry.__signature__ = signature  # type: ignore[attr-defined]  # the task's parameters are the entry's
-    run_entry.__name__ = run_entry.__qualname__ = f"{stage}_task"
-    return stage_task(stage, retries=line.retries)(run_entry)
+    run_entry.__name__ = run_entry.__qualname__ = f"{line.name}_task"
+    return stage_task(line, retries=line.retries)(run_entry)
 
 
 def run_stage(stage_task_: Task, selection: StageSelection, *args: Any, **kwargs: Any) -> Any:
     """Call a stage task, recomputing it (cache entry overwritten, stage folder wiped) when the stage selection
-    refreshes its stage (read off the task: its name)."""
-    return refreshed(stage_task_, selection.refreshes(stage_task_.name))(*args, **kwargs)
+    refreshes its stage (read off the task: its line)."""
+    return refreshed(stage_task_, _refreshes(selection, stage_task_))(*args, **kwargs)
 
 
 def submit_stage(stage_task_: Task, selection: StageSelection, *args: Any, **kwargs: Any) -> Any:
     """Like run_stage, but submitted to the flow's task runner (for fan-out); returns a future."""
-    return refreshed(stage_task_, selection.refreshes(stage_task_.name)).submit(*args, **kwargs)
+    return refreshed(stage_task_, _refreshes(selection, stage_task_)).submit(*args, **kwargs)
+
+
+def _refreshes(selection: StageSelection, stage_task_: Task) -> bool:
+    line = line_of(stage_task_)
+    return selection.refreshes(line if line is not None else stage_task_.name)
 
 
 @dataclass(frozen=True)
 class StageRunner:
     """The stage tasks of one pipeline run, one call each: the stage is read off the task (its name), recomputed
     when the selection refreshes it, and given the run-level inputs its task takes and the call leaves out:
-    `output_root` and `cache_root` (run.output_root, run.cache_root) and, for a stage the table lets run under
-    another interpreter, `python` (run.interpreters)."""
+    `output_root` and `cache_root` (run.output_root, run.cache_root) and, for a task that takes one (a stage the
+    table lets run under another interpreter), `python` (run.interpreters)."""
 
     selection: StageSelection
     run_section: Any  # stages.core.config.run.RunSection
@@ -325,9 +341,7 @@ class StageRunner:
         return submit_stage(stage_task_, self.selection, *args, **self._inputs(stage_task_, kwargs))
 
     def _inputs(self, stage_task_: Task, kwargs: dict[str, Any]) -> dict[str, Any]:
-        line = spec(stage_task_.name)
-        run = {"output_root": self.run_section.output_root, "cache_root": self.run_section.cache_root}
-        if line.isolatable:
-            run["python"] = self.run_section.python_for(line.name)
+        run = {"output_root": self.run_section.output_root, "cache_root": self.run_section.cache_root,
+               "python": self.run_section.python_for(stage_task_.name)}  # taken only by a task that may move
         takes = inspect.signature(stage_task_.fn).parameters
         return {**{k: v for k, v in run.items() if k in takes}, **kwargs}
