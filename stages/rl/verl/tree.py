@@ -2,7 +2,8 @@
 
 verl's agent loops are coroutines on a Ray actor's event loop; our TreeRollout is synchronous. The tree runs in
 a worker thread; `ServerBackend.generate` submits each round's requests to the event loop
-(`asyncio.run_coroutine_threadsafe`) and waits for them, so a round's generations run concurrently on the server.
+(`asyncio.run_coroutine_threadsafe`) and waits for them, so a round's generations run concurrently on the server;
+`generate_iter` hands them over as they finish (rl.rollout.schedule `early_tools` starts each tool call there).
 Every request of one tree carries the same request id: verl's load balancer routes by request id, so all roots,
 branches and rounds hit one vLLM replica and its prefix cache serves the shared prompt and branch prefixes (the
 role `fork` / `prefill` play in our transformers backend; here they are no-ops, as in our vLLM backend).
