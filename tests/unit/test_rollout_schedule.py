@@ -138,3 +138,15 @@ def test_unknown_schedule_is_refused():
 
     with pytest.raises(ValueError, match="unknown rollout schedule 'later'.*rounds, early_tools"):
         ToolRollout(ScriptedBackend(tok, policy), ToyToolBox(), tok, section("paper").generation(), schedule="later")
+
+
+@pytest.mark.parametrize("schedule", ["rounds", "early_tools"])
+def test_the_card_calls_every_schedule_the_reference_algorithm(schedule):
+    from stages.core.config.loader import load_config
+    from stages.rl.card import algorithm_card
+
+    rl = load_config("tiny-cpu", [f"rl.rollout.schedule={schedule}", "rl.algorithm=arpo"]).rl
+    (row,) = [r for r in algorithm_card(rl).rows if r.mechanism == "rollout schedule"]
+    assert row.verdict == "same" and row.value.startswith(schedule) and row.reference.startswith("rounds")
+    assert ("bit for bit" in row.why) == (schedule == "early_tools")
+    assert row.link == "docs/reference.md#rollout-schedule"
