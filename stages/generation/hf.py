@@ -16,7 +16,7 @@ supported (the backend builds its own 4D mask for padded caches).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -127,6 +127,16 @@ class TransformersBackend:
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
                  seed: int | None = None) -> list[GenResult]:
+        results: list[GenResult | None] = [None] * len(requests)
+        for i, res in self.generate_iter(requests, sampling, seed):
+            results[i] = res
+        return results
+
+    def generate_iter(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
+                      seed: int | None = None) -> Iterator[tuple[int, GenResult]]:
+        """(index, result) of each request as its row finishes decoding (the `early_tools` schedule starts its tool
+        call there while the other rows decode on); the same tokens as `generate`, whatever the caller does
+        between rows."""
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.model.device)
@@ -134,13 +144,14 @@ class TransformersBackend:
         keys = [r.key for r in requests]
         if len(set(keys)) != len(keys):
             raise ValueError("two requests of one generate call share a cache key; give every sequence its own key")
-        results: list[GenResult] = []
+        offset = 0
         for chunk in self._chunks(list(requests)):
             with _inference(self.model):
-                results.extend(self._generate(chunk, sampling, generator))
+                for i, res in self._generate(chunk, sampling, generator):
+                    yield offset + i, res
+            offset += len(chunk)
         if not self.kv_reuse:
             self._caches.clear()
-        return results
 
     def _chunks(self, items: list) -> Iterable[list]:
         size = self.max_batch_size or max(1, len(items))
@@ -171,7 +182,7 @@ class TransformersBackend:
         return batch, self._forward(batch)
 
     def _generate(self, requests: list[GenRequest], sampling: SamplingSpec,
-                  generator: torch.Generator | None) -> list[GenResult]:
+                  generator: torch.Generator | None) -> Iterator[tuple[int, GenResult]]:
         caches = [self._reusable(r.key, r.token_ids) for r in requests]
         pending = [r.token_ids[len(c) if c else 0:] for r, c in zip(requests, caches)]
         batch, logits_BV = self._prefill(caches, pending)
@@ -198,11 +209,11 @@ class TransformersBackend:
                 if self.kv_reuse:
                     fed = requests[i].token_ids + res.token_ids[:-1]
                     self._caches[requests[i].key] = extract(batch.cache, b, batch.valid_BK[b], fed)
+                yield i, res
             if not keep:
                 break
             logits_BV = self._decode_step(batch, keep, tok_B)
             rows = [rows[b] for b in keep]
-        return out
 
     def _decode_step(self, batch: Batch, keep: list[int], tok_B: torch.Tensor) -> torch.Tensor:
         """Drop finished rows, feed each remaining row its last sampled token, return the next logits."""

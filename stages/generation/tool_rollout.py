@@ -21,6 +21,10 @@ generation or tools, and how to refill a group between rounds. It acts on the dr
 public methods (`run_rounds`, `generate`, `new_root`, `take_id`, `fork`, `add_time`, `restart_ids`). All
 randomness comes from one numpy generator seeded by (seed, rollout call index).
 
+The schedule (`schedule`, rl.rollout.schedule) orders a round's work: `rounds` runs every generation, then every
+tool call; `early_tools` (stages/generation/early_tools.py) starts each call as its own generation returns and keeps
+every decision at the round's end, so the same seed gives the same batch bit for bit.
+
 Nothing waits forever: each round's `generate` runs within `generate_timeout_s` (stages/generation/generate_watch.py)
 and each tool call within agent.tool_timeout_s (stages/agent/tool_pool.py). The batch's metrics split the time:
 `time_generate_s`, `time_tools_s`, `time_tool_queue_s` (per round, the longest wait of a call for a pool thread or
@@ -35,12 +39,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stages.agent.loop import LoopRules, Segment, next_step
+from stages.agent.loop import LoopRules, Segment, Step, next_step
 from stages.agent.protocol import STOP_TAGS, ToolCall, render_result
 from stages.agent.stops import cut_at_stop
 from stages.core.config.generation import GenerationSettings
 from stages.core.log import progress
 from stages.generation.base import GenerationBackend, GenRequest, GenResult, SamplingSpec
+from stages.generation.early_tools import SCHEDULES, EarlyToolsRound
 from stages.generation.generate_watch import GenerateWatch
 from stages.generation.prompt_items import PromptItem
 from stages.generation.rollout_state import GroupState, LiveTrajectory, to_batch, trajectory_metrics
@@ -112,11 +117,14 @@ class IndependentRoots:
         pass
 
 
-class ToolRollout:
+class ToolRollout(EarlyToolsRound):
     def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: GenerationSettings,
                  seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True,
-                 growth: GrowthRule | None = None) -> None:
+                 growth: GrowthRule | None = None, schedule: str = "rounds") -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown rollout schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         self.backend, self.toolbox, self.tokenizer, self.cfg = backend, toolbox, tokenizer, cfg
+        self.schedule = schedule
         self.growth = IndependentRoots(cfg.n) if growth is None else growth
         self.seed, self.show_progress = seed, show_progress
         self.rules = LoopRules(stops=tuple(stop), call_limit=cfg.call_limit, empty_call="end")
@@ -127,6 +135,7 @@ class ToolRollout:
         self.calls = 0
         self._timers: dict[str, float] = {}
         self._next_id = 0
+        self._segment_states: dict[Any, Any] = {}  # early_tools: a caller's CallState at its segment's start
 
     # ---- public ---------------------------------------------------------------------------------------------
     def rollout(self, prompts: Sequence[PromptItem], seed: int | None = None) -> RolloutBatch:
@@ -185,20 +194,25 @@ class ToolRollout:
 
     def _round(self, groups: list[GroupState], live: list[LiveTrajectory], rng: np.random.Generator,
                branching: bool) -> None:
+        if self.schedule == "early_tools":
+            return self._early_tools_round(groups, live, rng, branching)
         max_len = self.cfg.max_response_length
         requests = [GenRequest(m.key, m.context, m.budget(max_len)) for m in live]
         self._rounds += 1
         results = self.generate(requests, self.sampling, int(rng.integers(2**31 - 1)),
                                 f"round {self._rounds}: {len(requests)} requests")
         for m, res in zip(live, results):
-            m.seg_start = len(m.traj)
-            m.append(res.token_ids, 1, res.logprobs, res.entropies)
-            m.last_after_result, m.after_result = m.after_result, False
-            self.growth.measure(m, res)
+            self._take_segment(m, res)
         self.growth.after_generation(self, groups, live, rng, branching)
         calls = [(m, call) for m, res in zip(live, results) if (call := self._step(m, res)) is not None]
         self._run_tools(calls)
         self.growth.after_tools(self, groups, [m for m, _ in calls if not m.done], rng, branching)
+
+    def _take_segment(self, m: LiveTrajectory, res: GenResult) -> None:
+        m.seg_start = len(m.traj)
+        m.append(res.token_ids, 1, res.logprobs, res.entropies)
+        m.last_after_result, m.after_result = m.after_result, False
+        self.growth.measure(m, res)
 
     def generate(self, requests: list[GenRequest], sampling: SamplingSpec, seed: int, what: str) -> list[GenResult]:
         """`backend.generate` within cfg.generate_timeout_s (GenerateTimeout past it, unless the backend limits
@@ -212,6 +226,10 @@ class ToolRollout:
 
     def _step(self, m: LiveTrajectory, res: GenResult) -> ToolCall | None:
         """The TIR step after a segment: finish the trajectory, or return the call it ends with."""
+        return self._take_step(m, self._decide(m, res))
+
+    def _decide(self, m: LiveTrajectory, res: GenResult) -> tuple[Step, str]:
+        """The TIR step a new segment leads to (changes nothing: `_take_step` applies it)."""
         text = ""
         if res.finish_reason == "stop":
             text = cut_at_stop(self.tokenizer.decode(res.token_ids, skip_special_tokens=False), (res.stop,))[0]
@@ -220,8 +238,11 @@ class ToolRollout:
             else ""
         # a request asks for the trajectory's whole remaining budget: a length finish leaves none
         left = 0 if res.finish_reason == "length" else m.budget(self.cfg.max_response_length)
-        step = next_step(self.rules, Segment(text, res.finish_reason, res.stop, left, before, len(res.token_ids)),
-                         m.n_calls)
+        return next_step(self.rules, Segment(text, res.finish_reason, res.stop, left, before, len(res.token_ids)),
+                         m.n_calls), text
+
+    def _take_step(self, m: LiveTrajectory, decided: tuple[Step, str]) -> ToolCall | None:
+        step, text = decided
         if step.kind == "call":
             m.n_calls += 1
             return step.call
@@ -255,6 +276,10 @@ class ToolRollout:
         t0 = time.perf_counter()
         results = self.toolbox.execute_many([(call, m.state) for m, call in calls])
         self._timers["tools_s"] += time.perf_counter() - t0
+        self._append_results(calls, results)
+
+    def _append_results(self, calls: list[tuple[LiveTrajectory, ToolCall]], results: list[Any]) -> None:
+        """Each call's result appended to its trajectory (loss mask 0), in the order of `calls`."""
         # the round's tool phase lasts at least its longest-queued call's wait (a pool thread, a rate-limit slot)
         self._timers["tool_queue_s"] += max(float(getattr(r, "queued_s", 0.0)) for r in results)
         self._tool_calls += len(calls)
@@ -297,7 +322,10 @@ class ToolRollout:
     def fork(self, parent: LiveTrajectory, child_id: int, fork_at: int, h_initial: float | None) -> LiveTrajectory:
         """A copy of `parent` sharing its first `fork_at` response tokens, its tool state copied and its KV cache
         forked; the caller adds it to a group."""
-        child = parent.fork(child_id, child_id, fork_at, parent.state.copy(), h_initial=h_initial)
+        # a fork at the segment's start (paper window) takes the CallState from before the segment's own call
+        state = self._segment_states.get(parent.key) if fork_at == parent.seg_start else None
+        child = parent.fork(child_id, child_id, fork_at, (parent.state if state is None else state).copy(),
+                            h_initial=h_initial)
         self.backend.fork(parent.key, child.key, len(parent.traj.prompt_ids) + fork_at)
         return child
 

@@ -100,6 +100,15 @@ def _row(mechanism: str, value: str, reference: str, why: str = "", anchor: str 
                    "; ".join(t for t in ("" if same else why, note) if t), f"{DOC}#{anchor}" if anchor else "")
 
 
+SCHEDULE_TEXT = {"rounds": "rounds: every generation of a round, then its tool calls",
+                 "early_tools": "early_tools: each tool call starts when its generation returns"}
+SCHEDULE_SAME = {
+    "rounds": "",
+    "early_tools": "same trees bit for bit: the weights do not change within a rollout, every draw stays at the "
+                   "round's end in creation order, and a copy forked at a segment's start takes the CallState from "
+                   "before its parent's call (docs/rollout.md, Schedules)"}
+
+
 def reference_rollout(ref: ReferenceSetting) -> RolloutSection:
     """The reference's rollout as our section (every rule set to the reference's own; its algorithm is
     `ref.algorithm`)."""
@@ -178,6 +187,8 @@ def rollout_rows(algorithm: str, ro: RolloutSection, ref: ReferenceSetting) -> l
              "budget-and-fresh-roots"),
         _row("tool calls per trajectory", str(ro.call_limit), str(theirs.call_limit),
              "a different value than the published run (profile setting)", "published-runs"),
+        _row("rollout schedule", SCHEDULE_TEXT[ro.schedule], SCHEDULE_TEXT["rounds"], anchor="rollout-schedule",
+             same=True, note=SCHEDULE_SAME[ro.schedule]),
     ]
     if spec.branches:
         rows += [

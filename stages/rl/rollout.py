@@ -155,7 +155,7 @@ class TreeRollout(ToolRollout):
     def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: RolloutSection,
                  algorithm: str, seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True) -> None:
         super().__init__(backend, toolbox, tokenizer, cfg.generation(), seed, stop, show_progress,
-                         growth=TreeGrowth(cfg, algorithm))
+                         growth=TreeGrowth(cfg, algorithm), schedule=cfg.schedule)
 
 
 def tree_rollouts(cfg: RolloutSection,

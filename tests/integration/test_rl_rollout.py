@@ -120,3 +120,22 @@ def test_kv_reuse_rollout_equals_reprefill_and_costs_less(model_and_tokenizer, t
                                                                        for t in slow.trajectories]
     assert fast.metrics["decode_tokens"] == slow.metrics["decode_tokens"]
     assert fast.metrics["forward_tokens"] < slow.metrics["forward_tokens"]
+
+
+def test_early_tools_rollout_equals_rounds_on_the_tiny_model(model_and_tokenizer, toolbox, prompts):
+    """The transformers backend answers each row as it finishes decoding (generate_iter): its tool call runs while
+    the other rows decode, and the sampled batch is the same, bit for bit (tokens, log-probs, masks, forks, draws).
+    The paper window: its forks at a segment's start need the CallState from before the parent's call."""
+    import dataclasses
+
+    model, tok = model_and_tokenizer
+    cfg = section(branch_probability=1.0, entropy_weight=0.0, entropy_window="paper")
+    batches = {}
+    for schedule in ("rounds", "early_tools"):
+        backend = load_backend("transformers", model, tok)
+        batches[schedule] = TreeRollout(backend, toolbox, tok, cfg.model_copy(update={"schedule": schedule}),
+                                        "arpo", seed=3).rollout(prompts[:1])
+    rounds, early = batches["rounds"], batches["early_tools"]
+    assert rounds.metrics["tool_calls"] > 0 and rounds.metrics["branches"] > 0
+    assert [dataclasses.asdict(t) for t in early.trajectories] == [dataclasses.asdict(t) for t in rounds.trajectories]
+    assert [(g.branches, g.fresh) for g in early.groups] == [(g.branches, g.fresh) for g in rounds.groups]

@@ -32,6 +32,7 @@ class ScriptedServer:
 
     def __init__(self, tokenizer: ToyTokenizer) -> None:
         self.tokenizer, self.request_ids, self.params = tokenizer, [], []
+        self.turns = lambda params: 1   # event-loop turns a request takes (a test may reorder the answers)
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **_):
         from verl.workers.rollout.replica import TokenOutput
@@ -41,7 +42,8 @@ class ScriptedServer:
         context = self.tokenizer.decode(prompt_ids)
         text = ANSWERS[sampling_params["seed"] % 3] + "\x00" if "<result>" in context else FIRST
         ids = [0 if ch == "\x00" else self.tokenizer.index[ch] for ch in text][:sampling_params["max_tokens"]]
-        await asyncio.sleep(0)
+        for _ in range(self.turns(sampling_params)):
+            await asyncio.sleep(0)
         return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed",
                            extra_fields={"num_cached_tokens": len(prompt_ids) // 2, "global_steps": 2})
 

@@ -2,7 +2,8 @@
 
 verl's agent loops are coroutines on a Ray actor's event loop; our TreeRollout is synchronous. The tree runs in
 a worker thread; `ServerBackend.generate` submits each round's requests to the event loop
-(`asyncio.run_coroutine_threadsafe`) and waits for them, so a round's generations run concurrently on the server.
+(`asyncio.run_coroutine_threadsafe`) and waits for them, so a round's generations run concurrently on the server;
+`generate_iter` hands them over as they finish (rl.rollout.schedule `early_tools` starts each tool call there).
 Every request of one tree carries the same request id: verl's load balancer routes by request id, so all roots,
 branches and rounds hit one vLLM replica and its prefix cache serves the shared prompt and branch prefixes (the
 role `fork` / `prefill` play in our transformers backend; here they are no-ops, as in our vLLM backend).
@@ -27,9 +28,8 @@ import asyncio
 import functools
 import json
 import math
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Executor
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Executor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -119,29 +119,38 @@ class ServerBackend(PrefixCached):
 
     def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
                  seed: int | None = None) -> list[GenResult]:
+        results: list[GenResult | None] = [None] * len(requests)
+        for i, res in self.generate_iter(requests, sampling, seed):
+            results[i] = res
+        return results
+
+    def generate_iter(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
+                      seed: int | None = None) -> Iterator[tuple[int, GenResult]]:
+        """(index, result) of each request as the server answers it (the `early_tools` schedule starts a call's
+        tool there); all requests run concurrently, within timeout_s of their submission."""
         stopper = StopMatcher(self.tokenizer, tuple(sampling.stop))
         futures = [asyncio.run_coroutine_threadsafe(self._generate(
             self.request_id, prompt_ids=list(r.token_ids), sampling_params=server_sampling_params(
                 sampling, r.max_new_tokens, None if seed is None else seed + i, self.entropy)),
             self._loop) for i, r in enumerate(requests)]
-        results, deadline = [], None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        for req, future in zip(requests, futures):
-            try:
-                output = future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                for pending in futures:
-                    pending.cancel()   # cancels the coroutine on the event loop (verl's client aborts it)
-                raise GenerateTimeout(
-                    f"verl's LLM server answered {len(results)} of {len(requests)} generate requests of tree "
-                    f"{self.request_id} within rl.rollout.generate_timeout_s={self.timeout_s:g} s") from None
-            res = result_from_token_output(output, stopper, self.eos_token_ids, self.vocab_size, self.entropy)
-            cached = int((output.extra_fields or {}).get("num_cached_tokens") or 0)
-            if (output.extra_fields or {}).get("global_steps") is not None:
-                self.weight_versions.append(int(output.extra_fields["global_steps"]))
-            self.stats.add_request(len(req.token_ids), cached, len(res.token_ids))
-            results.append(res)
+        index, answered = {future: i for i, future in enumerate(futures)}, 0
+        try:
+            for future in as_completed(futures, timeout=self.timeout_s):
+                i, output = index[future], future.result()
+                res = result_from_token_output(output, stopper, self.eos_token_ids, self.vocab_size, self.entropy)
+                cached = int((output.extra_fields or {}).get("num_cached_tokens") or 0)
+                if (output.extra_fields or {}).get("global_steps") is not None:
+                    self.weight_versions.append(int(output.extra_fields["global_steps"]))
+                self.stats.add_request(len(requests[i].token_ids), cached, len(res.token_ids))
+                answered += 1
+                yield i, res
+        except FutureTimeout:
+            for pending in futures:
+                pending.cancel()   # cancels the coroutine on the event loop (verl's client aborts it)
+            raise GenerateTimeout(
+                f"verl's LLM server answered {answered} of {len(requests)} generate requests of tree "
+                f"{self.request_id} within rl.rollout.generate_timeout_s={self.timeout_s:g} s") from None
         self.stats.forward_calls += 1
-        return results
 
 
 def tree_seed(run_seed: int, global_step: int, index: int, validate: bool = False) -> int:
