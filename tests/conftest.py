@@ -22,6 +22,18 @@ VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
 VERL_CPU_PYTHON = PROJECT_ROOT / ".venv-verl-cpu" / "bin" / "python"   # ./scripts/setup-verl.sh --cpu
 
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (registered as `name`, so its dataclasses resolve): scripts are no package."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, PROJECT_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def missing_setup(why: str) -> None:
     """Something the set-up installs is missing: a skip on a developer box, a failure in CI (CI=true), where
     scripts/test.sh installs it, so a missing one is a broken set-up, not an optional part."""

@@ -143,6 +143,18 @@ class PrefixCached:
         """No-op: the vLLM engine evicts blocks itself (and drops them when weights change)."""
 
 
+class AnswersOneByOne:
+    """A backend that answers each request as it finishes (`generate_iter`: (index, result) in finishing order, what
+    the `early_tools` schedule reads); `generate` is those answers collected in request order."""
+
+    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
+                 seed: int | None = None) -> list[GenResult]:
+        results: list[GenResult | None] = [None] * len(requests)
+        for i, res in self.generate_iter(requests, sampling, seed):
+            results[i] = res
+        return results
+
+
 def eos_ids_of(tokenizer, generation_config=None) -> frozenset[int]:
     """The union of the tokenizer's eos id and the generation config's (which may be a list)."""
     ids: set[int] = set()

