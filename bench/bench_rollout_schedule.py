@@ -24,6 +24,12 @@ generated corpus) plus the same injected latency, not scaled (the decode time is
 --tiny-prompts prompts (the local engine's step), both schedules from one seed; the batches must be equal, bit for
 bit. No critical-path column there (a row's decode time is not known in advance). The in-process vLLM backend
 answers a round at once (no `generate_iter`): under it `early_tools` runs as `rounds`.
+
+The step section (`--step-trees` trees in ONE rollout call, the local engine's step) adds `async`: every schedule
+runs on counter seeds there (`seeding="counter"`), so all three grow the same trees (checked). Its model: `rounds`
+= per generate call max gen + max tool; `early_tools` = per call max (gen + tool); `async` = each trajectory's
+segments back to back, a copy or fresh root starting at the close of the round that made it, the step ending at
+the last close: a lower bound (a request that becomes ready while a batch runs waits for it).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from stages.rl.rollout import TreeRollout
 from tests.unit.test_rl_rollout_fakes import EOS, ScriptedBackend, ToyResult, ToyState, ToyTokenizer
 
 SCHEDULES = ("rounds", "early_tools")
+STEP_SCHEDULES = ("rounds", "early_tools", "async")
 SIGMA = 0.8
 P_CALL, MAX_SEARCHES = 0.7, 3
 
@@ -72,6 +79,7 @@ class LatencyServer(ScriptedBackend):
     first_s: float = 0.02
     token_s: float = 0.002
     rounds: list[list[tuple[float, str | None]]] = dataclasses.field(default_factory=list)
+    keys: list[list] = dataclasses.field(default_factory=list)   # each call's request keys
 
     def _timed(self, requests, sampling, seed):
         results = ScriptedBackend.generate(self, requests, sampling, seed)
@@ -81,6 +89,7 @@ class LatencyServer(ScriptedBackend):
             text = self.tokenizer.decode(r.token_ids)
             queries.append(text.split("<search>")[-1][:-len("</search>")] if r.finish_reason == "stop" else None)
         self.rounds.append(list(zip(times, queries)))
+        self.keys.append([r.key for r in requests])
         return results, times
 
     def generate(self, requests, sampling, seed=None):
@@ -143,6 +152,58 @@ def run_tree(schedule: str, tree: int, median_s: float, scale: float, cfg: Rollo
     wall = time.perf_counter() - start
     rows = [(t.traj_id, t.parent_id, t.fork_at, t.response_ids) for t in batch.trajectories]
     return wall, model_s(backend.rounds, tools, schedule), rows, batch.metrics
+
+
+def step_model_s(backend: LatencyServer, tools: LatencyTools, schedule: str, n: int) -> float:
+    """The step's critical path from a `rounds` run's calls (every call one round of every group; key // n = the
+    group under counter seeds): rounds and early_tools as per tree. async: each trajectory starts its segment when
+    its previous one is complete (a copy or fresh root when the round that made it closed), a group's round closes
+    when its members' segments are complete; the step ends with the last close (a lower bound: a request that
+    becomes ready while a batch runs waits for it)."""
+    if schedule != "async":
+        return model_s(backend.rounds, tools, schedule)
+    complete: dict = {}
+    closed: dict[int, float] = {}
+    for requests, keys in zip(backend.rounds, backend.keys):
+        ends: dict[int, float] = {}
+        for (g, q), key in zip(requests, keys):
+            group = key // n
+            start = complete.get(key, closed.get(group, 0.0))
+            complete[key] = start + g + (tools.latency(q) if q is not None else 0.0)
+            ends[group] = max(ends.get(group, 0.0), complete[key])
+        for group, end in ends.items():
+            closed[group] = max(closed.get(group, 0.0), end)
+    return max(closed.values())
+
+
+def step_bench(args, cfg: RolloutSection) -> list[list]:
+    """`--step-trees` trees in one rollout call under each schedule, all on counter seeds (the same trees)."""
+    rows = []
+    for median in [float(m) for m in args.medians.split(",")]:
+        walls, models, batches, rounds_backend = {}, {}, {}, None
+        for schedule in STEP_SCHEDULES:
+            tok = ToyTokenizer()
+            backend = LatencyServer(tok, policy, first_s=0.02 * args.time_scale, token_s=0.002 * args.time_scale)
+            tools = LatencyTools(median * args.time_scale)
+            driver = TreeRollout(backend, tools, tok, cfg.model_copy(update={"schedule": schedule}), "arpo",
+                                 show_progress=False, seeding="counter")
+            prompts = [PromptItem(t, tok.encode(f"user: question {t}\nassistant:"), f"q{t}", "A", "qa")
+                       for t in range(args.step_trees)]
+            start = time.perf_counter()
+            batch = driver.rollout(prompts, seed=2000)
+            walls[schedule] = time.perf_counter() - start
+            batches[schedule] = [(t.traj_id, t.parent_id, t.fork_at, t.response_ids) for t in batch.trajectories]
+            rounds_backend = backend if schedule == "rounds" else rounds_backend
+            models[schedule] = step_model_s(rounds_backend, tools, schedule, cfg.n)
+        if not batches["rounds"] == batches["early_tools"] == batches["async"]:
+            raise SystemExit(f"step, median {median} s: the schedules grew different trees on counter seeds")
+        for schedule in STEP_SCHEDULES:
+            rows.append([median, schedule, round(walls[schedule] / args.time_scale, 2),
+                         round(walls[schedule] / walls["rounds"], 3), round(models[schedule] / models["rounds"], 3),
+                         round(walls[schedule] / models[schedule], 3)])
+            print(f"step of {args.step_trees} trees, median {median:g} s {schedule:12s} {rows[-1][2]:6.2f} s "
+                  f"(unscaled)  ratio {rows[-1][3]:.3f}  model ratio {rows[-1][4]:.3f}  measured/model {rows[-1][5]:.3f}")
+    return rows
 
 
 @dataclasses.dataclass
@@ -211,6 +272,7 @@ def main() -> None:
     p.add_argument("--time-scale", type=float, default=0.1)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--initial", type=int, default=4)
+    p.add_argument("--step-trees", type=int, default=6, help="trees in one rollout call for the async section")
     p.add_argument("--tiny", action="store_true", help="also the tiny model (transformers backend)")
     p.add_argument("--tiny-prompts", type=int, default=2)
     p.add_argument("--no-write", action="store_true")
@@ -239,6 +301,11 @@ def main() -> None:
             figures[f"{key}_ratio"], figures[f"{key}_measured_over_model"] = table[-1][3], table[-1][5]
             print(f"median {median:g} s {schedule:12s} tree {table[-1][2]:6.2f} s (unscaled)  ratio {table[-1][3]:.3f}"
                   f"  model ratio {table[-1][4]:.3f}  measured/model {table[-1][5]:.3f}  tail {tail:.2f}")
+    step_rows = step_bench(args, cfg)
+    figures["step_trees"] = args.step_trees
+    for median, schedule, _, ratio, _, over in step_rows:
+        key = f"step_{schedule}_m{median:g}".replace(".", "_")
+        figures[f"{key}_ratio"], figures[f"{key}_measured_over_model"] = ratio, over
     tiny_rows = tiny_bench(args) if args.tiny else []
     for median, schedule, _, ratio, _ in tiny_rows:
         figures[f"tiny_{schedule}_m{median:g}_ratio".replace(".", "_")] = ratio
@@ -249,7 +316,9 @@ def main() -> None:
         summary="early_tools / rounds rollout wall time, scripted server: {early_tools_m0_5_ratio:.2f} (tool median "
                 "0.5 s), {early_tools_m1_5_ratio:.2f} (1.5 s), {early_tools_m4_ratio:.2f} (4 s); measured / "
                 "critical-path model {rounds_m1_5_measured_over_model:.2f} (rounds), "
-                "{early_tools_m1_5_measured_over_model:.2f} (early_tools) at 1.5 s"
+                "{early_tools_m1_5_measured_over_model:.2f} (early_tools) at 1.5 s; async / rounds, "
+                "{step_trees} trees in one call: {step_async_m0_5_ratio:.2f}, {step_async_m1_5_ratio:.2f}, "
+                "{step_async_m4_ratio:.2f}"
                 + ("; tiny model (transformers) {tiny_early_tools_m1_5_ratio:.2f} at 1.5 s" if tiny_rows else ""),
         what="rollout wall time per rl.rollout.schedule with lognormal tool latency (scripted server, ARPO trees)",
         command="bench/bench_rollout_schedule.py",
@@ -259,6 +328,8 @@ def main() -> None:
         tables={"rows": {"columns": ["tool median s", "schedule", "s per tree (unscaled)", "wall / rounds",
                                      "model / rounds", "measured / model", "slowest / mean tree",
                                      "calls run per tree"], "rows": table},
+                "step": {"columns": ["tool median s", "schedule", "s per step (unscaled)", "wall / rounds",
+                                     "model / rounds", "measured / model"], "rows": step_rows},
                 **({"tiny": {"columns": ["tool median s", "schedule", "rollout s", "wall / rounds", "calls run"],
                              "rows": tiny_rows}} if tiny_rows else {})})
 

@@ -41,11 +41,14 @@ class SamplingSpec:
 
 @dataclass
 class GenRequest:
-    """Continue `token_ids` for at most `max_new_tokens`. `key` names the sequence whose KV cache may be reused."""
+    """Continue `token_ids` for at most `max_new_tokens`. `key` names the sequence whose KV cache may be reused;
+    `seed`, when set, is the request's own sampling seed (counter-based seeding: stages/generation/counter_seeds.py),
+    used instead of the call's `seed + index`, so its tokens do not depend on which batch it rides in."""
 
     key: Hashable
     token_ids: list[int]
     max_new_tokens: int
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -169,6 +172,13 @@ def eos_ids_of(tokenizer, generation_config=None) -> frozenset[int]:
         raise ValueError("the tokenizer has no eos_token_id and the generation config names none; "
                          "set tokenizer.eos_token (model.eos_token in the config) before rolling out")
     return frozenset(ids)
+
+
+def request_seed(request: GenRequest, call_seed: int | None, index: int) -> int | None:
+    """A request's sampling seed: its own (counter-based) when set, else the call's seed + its index."""
+    if request.seed is not None:
+        return request.seed
+    return None if call_seed is None else call_seed + index
 
 
 def vllm_sampling_params(sampling: SamplingSpec, max_new_tokens: int, seed: int | None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from stages.generation.generate_watch import GenerateWatch
 if TYPE_CHECKING:
     from stages.generation.rollout_state import GroupState, LiveTrajectory
 
-SCHEDULES = ("rounds", "early_tools")
+SCHEDULES = ("rounds", "early_tools", "async")
 
 
 class EarlyToolsRound:
@@ -47,10 +47,8 @@ class EarlyToolsRound:
 
     def _early_tools_round(self, groups: list[GroupState], live: list[LiveTrajectory], rng: np.random.Generator,
                            branching: bool) -> None:
-        max_len = self.cfg.max_response_length
-        requests = [GenRequest(m.key, m.context, m.budget(max_len)) for m in live]
+        requests, seed = self._requests(live, rng)
         self._rounds += 1
-        seed = int(rng.integers(2**31 - 1))
         decided: dict[int, tuple[Any, str]] = {}
         running: dict[int, Future] = {}
         with ThreadPoolExecutor(max_workers=max(1, len(live)), thread_name_prefix="early-tools") as pool:
@@ -67,7 +65,7 @@ class EarlyToolsRound:
                 raise RuntimeError(f"the backend answered {len(decided)} of {len(live)} requests of round "
                                    f"{self._rounds}; generate_iter must yield every request once")
             try:
-                self.growth.after_generation(self, groups, live, rng, branching)
+                self._grow(self.growth.after_generation, groups, live, rng, branching)
             finally:
                 self._segment_states.clear()
             calls = [(i, call) for i, m in enumerate(live) if (call := self._take_step(m, decided[i])) is not None]
@@ -76,13 +74,13 @@ class EarlyToolsRound:
             self._timers["tools_s"] += time.perf_counter() - t0
         if calls:
             self._append_results([(live[i], call) for i, call in calls], results)
-        self.growth.after_tools(self, groups, [live[i] for i, _ in calls if not live[i].done], rng, branching)
+        self._grow(self.growth.after_tools, groups, [live[i] for i, _ in calls if not live[i].done], rng, branching)
 
     def _one_call(self, call: Any, state: Any) -> Any:
         """One call through the toolbox (its pool, rate limits and tool_timeout_s apply as to a round's batch)."""
         return self.toolbox.execute_many([(call, state)])[0]
 
-    def _generate_as_completed(self, requests: list[GenRequest], seed: int,
+    def _generate_as_completed(self, requests: list[GenRequest], seed: int | None,
                                what: str) -> Iterator[tuple[int, GenResult]]:
         """(request index, result) in the order the backend answers (`generate_iter` where it has one), within
         cfg.generate_timeout_s; consumed as it comes (the caller submits tools between answers)."""

@@ -30,6 +30,7 @@ from stages.generation.base import (
     GenResult,
     SamplingSpec,
     eos_ids_of,
+    request_seed,
 )
 from stages.generation.kvcache import (
     Batch,
@@ -131,17 +132,22 @@ class TransformersBackend(AnswersOneByOne):
         """(index, result) of each request as its row finishes decoding (the `early_tools` schedule starts its tool
         call there while the other rows decode on); the same tokens as `generate`, whatever the caller does
         between rows."""
-        generator = None
+        generator: torch.Generator | list[torch.Generator] | None = None
         if not sampling.greedy:
+            base = seed if seed is not None else torch.seed()
             generator = torch.Generator(device=self.model.device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
+            generator.manual_seed(base)
+            if any(r.seed is not None for r in requests):  # requests with their own seeds: a generator per row
+                generator = [torch.Generator(device=self.model.device).manual_seed(request_seed(r, base, i) % 2**63)
+                             for i, r in enumerate(requests)]
         keys = [r.key for r in requests]
         if len(set(keys)) != len(keys):
             raise ValueError("two requests of one generate call share a cache key; give every sequence its own key")
         offset = 0
         for chunk in self._chunks(list(requests)):
+            rows = generator[offset:offset + len(chunk)] if isinstance(generator, list) else generator
             with _inference(self.model):
-                for i, res in self._generate(chunk, sampling, generator):
+                for i, res in self._generate(chunk, sampling, rows):
                     yield offset + i, res
             offset += len(chunk)
         if not self.kv_reuse:
@@ -176,7 +182,7 @@ class TransformersBackend(AnswersOneByOne):
         return batch, self._forward(batch)
 
     def _generate(self, requests: list[GenRequest], sampling: SamplingSpec,
-                  generator: torch.Generator | None) -> Iterator[tuple[int, GenResult]]:
+                  generator: torch.Generator | list[torch.Generator] | None) -> Iterator[tuple[int, GenResult]]:
         caches = [self._reusable(r.key, r.token_ids) for r in requests]
         pending = [r.token_ids[len(c) if c else 0:] for r, c in zip(requests, caches)]
         batch, logits_BV = self._prefill(caches, pending)
@@ -184,7 +190,8 @@ class TransformersBackend(AnswersOneByOne):
         out = [GenResult([], [], [], "length") for _ in requests]
         rows = list(range(len(requests)))  # batch row -> request index
         while rows:
-            tok_B, logp_B, ent_B = sample_tokens(logits_BV, sampling, generator, self.entropy)
+            row_gen = [generator[i] for i in rows] if isinstance(generator, list) else generator
+            tok_B, logp_B, ent_B = sample_tokens(logits_BV, sampling, row_gen, self.entropy)
             keep: list[int] = []
             for b, i in enumerate(rows):
                 res, tok = out[i], int(tok_B[b])

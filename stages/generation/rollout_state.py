@@ -25,6 +25,7 @@ class LiveTrajectory:
     last_h: float = 0.0             # window entropy of the last generated segment
     last_after_result: bool = False  # whether that segment followed a tool result
     done: bool = False
+    generated: int = 0              # segments this trajectory generated itself (counter seeds number them)
     segments: list[tuple[int, int, bool, float]] = field(default_factory=list)  # (start, end, after_result, H)
 
     @property

@@ -18,12 +18,12 @@ independent roots (GRPO sampling: what SFT's self-critic pairs use). RL's tree r
 its growth rule, which answers the same few questions: how many roots to start, what to do before they start
 (AEPO's probe), what to note of a new segment (its entropy), which trajectories to fork after a round's
 generation or tools, and how to refill a group between rounds. It acts on the driver only through the driver's
-public methods (`run_rounds`, `generate`, `new_root`, `take_id`, `fork`, `add_time`, `restart_ids`). All
-randomness comes from one numpy generator seeded by (seed, rollout call index).
+public methods (`run_rounds`, `generate`, `new_root`, `take_id`, `fork`, `add_time`, `restart_ids`). Randomness:
+one numpy generator seeded by (seed, rollout call index), or counter-based seeds (`seeding="counter"`, counter_seeds.py).
 
 The schedule (`schedule`, rl.rollout.schedule) orders a round's work: `rounds` runs every generation, then every
-tool call; `early_tools` (stages/generation/early_tools.py) starts each call as its own generation returns and keeps
-every decision at the round's end, so the same seed gives the same batch bit for bit.
+tool call; `early_tools` (early_tools.py) starts each call as its own generation returns, every decision at the
+round's end (the same batch bit for bit); `async` (async_rounds.py) runs each group's rounds at its own pace.
 
 Nothing waits forever: each round's `generate` runs within `generate_timeout_s` (stages/generation/generate_watch.py)
 and each tool call within agent.tool_timeout_s (stages/agent/tool_pool.py). The batch's metrics split the time:
@@ -44,7 +44,9 @@ from stages.agent.protocol import STOP_TAGS, ToolCall, render_result
 from stages.agent.stops import cut_at_stop
 from stages.core.config.generation import GenerationSettings
 from stages.core.log import progress
+from stages.generation.async_rounds import AsyncRounds
 from stages.generation.base import GenerationBackend, GenRequest, GenResult, SamplingSpec
+from stages.generation.counter_seeds import MAIN, PROBE, SEEDINGS, CounterSeeds, tree_seed_of
 from stages.generation.early_tools import SCHEDULES, EarlyToolsRound
 from stages.generation.generate_watch import GenerateWatch
 from stages.generation.prompt_items import PromptItem
@@ -117,12 +119,20 @@ class IndependentRoots:
         pass
 
 
-class ToolRollout(EarlyToolsRound):
+class ToolRollout(EarlyToolsRound, AsyncRounds):
     def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: GenerationSettings,
                  seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True,
-                 growth: GrowthRule | None = None, schedule: str = "rounds") -> None:
+                 growth: GrowthRule | None = None, schedule: str = "rounds", seeding: str | None = None) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown rollout schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        # counter seeds (stages/generation/counter_seeds.py): async needs them; rounds may use them to compare
+        seeding = seeding or ("counter" if schedule == "async" else "stream")
+        if seeding not in SEEDINGS or (schedule == "async" and seeding != "counter"):
+            raise ValueError(f"seeding={seeding!r} with schedule={schedule!r}: choose one of {', '.join(SEEDINGS)}; "
+                             "the async schedule needs counter seeds")
+        self.seeding = seeding
+        self._counters: CounterSeeds | None = None
+        self._phase = MAIN
         self.backend, self.toolbox, self.tokenizer, self.cfg = backend, toolbox, tokenizer, cfg
         self.schedule = schedule
         self.growth = IndependentRoots(cfg.n) if growth is None else growth
@@ -145,6 +155,7 @@ class ToolRollout(EarlyToolsRound):
         else (the driver's seed, number of earlier rollout calls)."""
         check_prompts(prompts, self.cfg)
         rng = np.random.default_rng([self.seed, self.calls] if seed is None else [seed])
+        tree_seed = tree_seed_of(self.seed, self.calls, seed)
         self.calls += 1
         self._timers, self._next_id = {"generate_s": 0.0, "tools_s": 0.0, "tool_queue_s": 0.0}, 0
         self._rounds = self._tool_calls = 0
@@ -152,8 +163,10 @@ class ToolRollout(EarlyToolsRound):
         self.backend.refresh_weights()
         try:
             groups = [GroupState(p, self.cfg.n, self.growth.initial_count()) for p in prompts]
+            if self.seeding == "counter":
+                self._counters = CounterSeeds(tree_seed, groups, self.cfg.n)
             self.backend.prefill([(g.prompt_key, g.item.prompt_ids) for g in groups])
-            self.growth.before_roots(self, groups, rng)
+            self.growth.before_roots(self, groups, rng if self._counters is None else self._counters.probe_rng())
             for g in groups:
                 for _ in range(g.initial):
                     self.new_root(g, "root")
@@ -175,7 +188,9 @@ class ToolRollout(EarlyToolsRound):
         """Rounds until no trajectory is active. Caches are freed as soon as nothing can use them: a finished
         trajectory's after its round (forks happen within the round), a group's prompt cache once the group has
         all n trajectories (kept through a probe: `main=False`)."""
-        rounds = 0
+        if self.schedule == "async" and main:
+            return self._async_rounds(groups, branching, fill, label)
+        rounds, self._phase = 0, MAIN if main else PROBE
         with progress(transient=True) as bar:
             task = bar.add_task(f"{label} rounds", total=None, visible=self.show_progress)
             while True:
@@ -196,20 +211,37 @@ class ToolRollout(EarlyToolsRound):
                branching: bool) -> None:
         if self.schedule == "early_tools":
             return self._early_tools_round(groups, live, rng, branching)
-        max_len = self.cfg.max_response_length
-        requests = [GenRequest(m.key, m.context, m.budget(max_len)) for m in live]
+        requests, seed = self._requests(live, rng)
         self._rounds += 1
-        results = self.generate(requests, self.sampling, int(rng.integers(2**31 - 1)),
-                                f"round {self._rounds}: {len(requests)} requests")
+        results = self.generate(requests, self.sampling, seed, f"round {self._rounds}: {len(requests)} requests")
         for m, res in zip(live, results):
             self._take_segment(m, res)
-        self.growth.after_generation(self, groups, live, rng, branching)
+        self._grow(self.growth.after_generation, groups, live, rng, branching)
         calls = [(m, call) for m, res in zip(live, results) if (call := self._step(m, res)) is not None]
         self._run_tools(calls)
-        self.growth.after_tools(self, groups, [m for m, _ in calls if not m.done], rng, branching)
+        self._grow(self.growth.after_tools, groups, [m for m, _ in calls if not m.done], rng, branching)
+
+    def _requests(self, live: list[LiveTrajectory], rng: np.random.Generator) -> tuple[list[GenRequest], int | None]:
+        """A round's requests and the call's seed: stream seeding draws it from the rollout's generator; counter
+        seeding gives each request its own seed instead (and draws nothing)."""
+        max_len = self.cfg.max_response_length
+        if self._counters is None:
+            return [GenRequest(m.key, m.context, m.budget(max_len)) for m in live], int(rng.integers(2**31 - 1))
+        return [GenRequest(m.key, m.context, m.budget(max_len), seed=self._counters.request_seed(m, self._phase))
+                for m in live], None
+
+    def _grow(self, hook: Any, groups: list[GroupState], trajs: list[LiveTrajectory], rng: np.random.Generator,
+              branching: bool) -> None:
+        """A growth-rule hook (after_generation / after_tools) on the round's groups: all at once on the rollout's
+        generator (stream seeding), or group by group, each on its own generator (counter seeding)."""
+        if self._counters is None:
+            return hook(self, groups, trajs, rng, branching)
+        for g in groups:
+            hook(self, [g], [m for m in trajs if m.traj.group == g.item.group], self._counters.group_rng(g),
+                 branching)
 
     def _take_segment(self, m: LiveTrajectory, res: GenResult) -> None:
-        m.seg_start = len(m.traj)
+        m.seg_start, m.generated = len(m.traj), m.generated + 1
         m.append(res.token_ids, 1, res.logprobs, res.entropies)
         m.last_after_result, m.after_result = m.after_result, False
         self.growth.measure(m, res)
@@ -307,14 +339,20 @@ class ToolRollout(EarlyToolsRound):
                 m.after_result = True
 
     # ---- trajectories (what a growth rule may do) ------------------------------------------------------------
-    def take_id(self) -> int:
-        """The next trajectory id of this rollout."""
+    def take_id(self, g: GroupState | None = None) -> int:
+        """The next trajectory id of this rollout (counter seeding: of group `g`, whose ids are counted apart)."""
+        if self._counters is not None:
+            if g is None:
+                raise ValueError("counter seeding counts trajectory ids per group: call take_id(group)")
+            return self._counters.take_id(g)
         self._next_id += 1
         return self._next_id - 1
 
     def restart_ids(self) -> None:
         """Number trajectories from 0 again (after a probe, whose trajectories are dropped)."""
         self._next_id = 0
+        if self._counters is not None:
+            self._counters.restart_ids()
 
     def add_time(self, timer: str, seconds: float) -> None:
         self._timers[timer] += seconds
@@ -330,7 +368,7 @@ class ToolRollout(EarlyToolsRound):
         return child
 
     def new_root(self, g: GroupState, kind: str, key_prefix: str | None = None) -> LiveTrajectory:
-        traj_id = self.take_id()
+        traj_id = self.take_id(g)
         key = traj_id if key_prefix is None else (key_prefix, traj_id)
         traj = Trajectory(traj_id=traj_id, group=g.item.group, prompt_ids=list(g.item.prompt_ids), kind=kind)
         m = LiveTrajectory(traj, key, self.toolbox.new_state())

@@ -43,6 +43,7 @@ from stages.generation.base import (
     PrefixCached,
     SamplingSpec,
     eos_ids_of,
+    request_seed,
     vllm_sampling_params,
 )
 from stages.generation.token_entropy import TokenEntropy
@@ -158,7 +159,7 @@ class VLLMBackend(PrefixCached):
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.token_ids)) for r in requests]
         params = [self._vllm.SamplingParams(**sampling_kwargs(
-            sampling, r.max_new_tokens, None if seed is None else seed + i, self.logprobs_k, self._allowed))
+            sampling, r.max_new_tokens, request_seed(r, seed, i), self.logprobs_k, self._allowed))
             for i, r in enumerate(requests)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []

@@ -101,12 +101,17 @@ def _row(mechanism: str, value: str, reference: str, why: str = "", anchor: str 
 
 
 SCHEDULE_TEXT = {"rounds": "rounds: every generation of a round, then its tool calls",
-                 "early_tools": "early_tools: each tool call starts when its generation returns"}
+                 "early_tools": "early_tools: each tool call starts when its generation returns",
+                 "async": "async: each trajectory runs ahead; draws at each group's round close"}
 SCHEDULE_SAME = {
     "rounds": "",
     "early_tools": "same trees bit for bit: the weights do not change within a rollout, every draw stays at the "
                    "round's end in creation order, and a copy forked at a segment's start takes the CallState from "
-                   "before its parent's call (docs/rollout.md, Schedules)"}
+                   "before its parent's call (docs/rollout.md, Schedules)",
+    "async": "same trees as rounds with counter-based seeds (tree seed, trajectory, segment; a generator per group), "
+             "hence the same distribution: the weights do not change within a rollout, a group's draws see its "
+             "members as they were at its round's end (snapshots), in creation order, and no draw depends on "
+             "timing (docs/rollout.md, Schedules)"}
 
 
 def reference_rollout(ref: ReferenceSetting) -> RolloutSection:

@@ -101,7 +101,7 @@ class TreeGrowth:
             parent = by_id[parent_id]
             fork_at = parent.seg_start if at_segment_start else len(parent.traj)
             baseline = parent.h_initial if self.window.copies_inherit_baseline else None
-            child = rollout.fork(parent, rollout.take_id(), fork_at, baseline)
+            child = rollout.fork(parent, rollout.take_id(g), fork_at, baseline)
             next(copies)["child"] = child.traj.traj_id
             g.members.append(child)
             g.branches += 1
@@ -153,9 +153,10 @@ class TreeRollout(ToolRollout):
     """ToolRollout with RL's growth rule (TreeGrowth); the constructor RL's callers (trainer, verl's agent loop) use."""
 
     def __init__(self, backend: GenerationBackend, toolbox: ToolRunner, tokenizer, cfg: RolloutSection,
-                 algorithm: str, seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True) -> None:
+                 algorithm: str, seed: int = 0, stop: Sequence[str] = STOP_TAGS, show_progress: bool = True,
+                 seeding: str | None = None) -> None:
         super().__init__(backend, toolbox, tokenizer, cfg.generation(), seed, stop, show_progress,
-                         growth=TreeGrowth(cfg, algorithm), schedule=cfg.schedule)
+                         growth=TreeGrowth(cfg, algorithm), schedule=cfg.schedule, seeding=seeding)
 
 
 def tree_rollouts(cfg: RolloutSection,

@@ -139,3 +139,17 @@ def test_early_tools_rollout_equals_rounds_on_the_tiny_model(model_and_tokenizer
     assert rounds.metrics["tool_calls"] > 0 and rounds.metrics["branches"] > 0
     assert [dataclasses.asdict(t) for t in early.trajectories] == [dataclasses.asdict(t) for t in rounds.trajectories]
     assert [(g.branches, g.fresh) for g in early.groups] == [(g.branches, g.fresh) for g in rounds.groups]
+
+
+def test_async_rollout_on_the_tiny_model(model_and_tokenizer, toolbox, prompts):
+    """`async` on the transformers backend (per-row generators from counter seeds, run-ahead trajectories, forks
+    from round-boundary snapshots): every group ends with n well-formed trajectories, branches share their parent's
+    tokens up to the fork. Which requests share a batch depends on timing, and batching changes the floating-point
+    results, so the trees are compared with `rounds` in distribution only (the scripted backend's parity tests
+    compare them bit for bit: tests/unit/test_async_schedule.py)."""
+    model, tok = model_and_tokenizer
+    cfg = section(branch_probability=1.0, entropy_weight=0.0, entropy_window="paper", schedule="async")
+    backend = load_backend("transformers", model, tok)
+    batch = TreeRollout(backend, toolbox, tok, cfg, "arpo", seed=3).rollout(prompts)
+    assert check_groups(batch, 4) > 0 and batch.metrics["tool_calls"] > 0
+    assert any(t.meta.get("draws") for t in batch.trajectories)   # the draws reached the live trajectories

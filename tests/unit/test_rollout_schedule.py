@@ -140,7 +140,7 @@ def test_unknown_schedule_is_refused():
         ToolRollout(ScriptedBackend(tok, policy), ToyToolBox(), tok, section("paper").generation(), schedule="later")
 
 
-@pytest.mark.parametrize("schedule", ["rounds", "early_tools"])
+@pytest.mark.parametrize("schedule", ["rounds", "early_tools", "async"])
 def test_the_card_calls_every_schedule_the_reference_algorithm(schedule):
     from stages.core.config.loader import load_config
     from stages.rl.card import algorithm_card
@@ -149,4 +149,5 @@ def test_the_card_calls_every_schedule_the_reference_algorithm(schedule):
     (row,) = [r for r in algorithm_card(rl).rows if r.mechanism == "rollout schedule"]
     assert row.verdict == "same" and row.value.startswith(schedule) and row.reference.startswith("rounds")
     assert ("bit for bit" in row.why) == (schedule == "early_tools")
+    assert ("same distribution" in row.why) == (schedule == "async")
     assert row.link == "docs/reference.md#rollout-schedule"

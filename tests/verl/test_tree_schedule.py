@@ -50,3 +50,29 @@ def test_early_tools_stores_the_rows_of_rounds(tiny_verl_config, settings_file, 
     rows = stored["rounds"][1]
     kinds = [row["extra_fields"]["arpo_kind"] for row in rows]
     assert len(rows) == 16 and (("branch" in kinds) == (algorithm != "grpo"))
+
+
+@pytest.mark.parametrize("window", ["reference", "paper"])
+@pytest.mark.parametrize("algorithm", ["grpo", "arpo", "aepo"])
+def test_async_stores_the_rows_of_rounds_with_counter_seeds(tiny_verl_config, settings_file, monkeypatch, algorithm,
+                                                            window):
+    """`async` through verl's worker (counter seeds: per-request seeds from (tree seed, trajectory, segment), a
+    generator per group) stores the rows `rounds` stores when it runs on the same counter seeds."""
+    import functools
+
+    from stages.rl.rollout import TreeRollout
+    from stages.rl.verl import tree
+
+    monkeypatch.setattr(tree, "TreeRollout", functools.partial(TreeRollout, seeding="counter"))
+    stored = {}
+    for schedule in ("rounds", "async"):
+        settings_file(algorithm=algorithm, entropy_window=window, schedule=schedule, branch_probability=0.5,
+                      dynamic_rollouts=algorithm == "aepo")
+        worker, server, store = make_worker(tiny_verl_config, monkeypatch)
+        server.turns = lambda params: 1 + (-params["seed"]) % 5
+        for index in range(4):
+            run_prompt(worker, sample(uid=f"u{index}", index=index))
+        stored[schedule] = ([k for keys, _, _ in store["puts"] for k in keys], comparable(store["rows"]))
+    assert stored["async"] == stored["rounds"]
+    kinds = [row["extra_fields"]["arpo_kind"] for row in stored["rounds"][1]]
+    assert len(kinds) == 16 and (("branch" in kinds) == (algorithm != "grpo"))

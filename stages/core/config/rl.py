@@ -63,11 +63,14 @@ class RolloutSection(Section):
     kv_reuse: bool = Field(True, description="transformers backend: keep KV caches across rounds and share "
                            "them with branches; false re-prefills every context each round (the plain path)",
                            json_schema_extra=used_when(backend="transformers"))
-    schedule: Literal["rounds", "early_tools"] = Field(
+    schedule: Literal["rounds", "early_tools", "async"] = Field(
         "rounds", description="how a round's work is ordered (docs/rollout.md, Schedules): rounds = every "
         "generation of the round, then every tool call; early_tools = each tool call starts as soon as its own "
         "generation returns (verl's server answers requests one by one), branch draws still at the round's end: "
-        "the same trees bit for bit, less tool time on the critical path")
+        "the same trees bit for bit, less tool time on the critical path; async = every trajectory runs ahead on "
+        "its own (draws at each group's logical round close, on snapshots of that boundary), requests batched "
+        "whenever the model is idle, counter-based seeds: the same distribution of trees (the realised trees "
+        "change once)")
     generate_timeout_s: float | None = Field(
         DEFAULT_GENERATE_TIMEOUT_S, gt=0,
         description="a generate request with no answer this long is an infrastructure failure. verl: the request's "

@@ -46,6 +46,7 @@ from stages.generation.base import (
     PrefixCached,
     SamplingSpec,
     eos_ids_of,
+    request_seed,
     vllm_sampling_params,
 )
 from stages.generation.generate_watch import GenerateTimeout
@@ -125,7 +126,7 @@ class ServerBackend(AnswersOneByOne, PrefixCached):
         stopper = StopMatcher(self.tokenizer, tuple(sampling.stop))
         futures = [asyncio.run_coroutine_threadsafe(self._generate(
             self.request_id, prompt_ids=list(r.token_ids), sampling_params=server_sampling_params(
-                sampling, r.max_new_tokens, None if seed is None else seed + i, self.entropy)),
+                sampling, r.max_new_tokens, request_seed(r, seed, i), self.entropy)),
             self._loop) for i, r in enumerate(requests)]
         index, answered = {future: i for i, future in enumerate(futures)}, 0
         try:
