@@ -67,6 +67,7 @@ def test_the_sandbox_and_replay_search_run_from_the_workers_tree_threads(tiny_ve
         assert "<result>\n42\n</result>" in row["text"]                        # print(6*7) ran in the sandbox
         assert PAGE in row["text"]           # the recorded search result
         assert row["extra"]["arpo_tool_calls"] == 2 and row["extra"]["arpo_masked"] == 0
+        assert json.loads(row["extra"]["arpo_calls_by_tool"]) == {"python": 1, "search": 1}   # tools/<tool>_per_traj
         assert 0 < sum(row["mask"]) < len(row["mask"])                          # model tokens trained, results not
     metrics = shared_toolbox(settings).metrics()                                 # the worker's one ToolBox
     assert metrics["python_calls"] > 0 and metrics["search_calls"] > 0 and metrics["infra_failures"] == 0
