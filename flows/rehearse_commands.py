@@ -26,6 +26,10 @@ def register(sub: argparse._SubParsersAction, config_args, stage_args) -> None:
     rehearse.add_argument("--judge", choices=["rule", "policy"], default="rule", help="rule: score with rule "
                           "metrics only (default); policy: the served toy policy stands in for the profile's judge, "
                           "so the judge's path runs (its verdicts are noise)")
+    rehearse.add_argument("--toy-policy", choices=["random", "tool_caller"], default="random", help="random: a "
+                          "random-init toy (it never calls a tool); tool_caller: weights planted to call the python "
+                          "and search tools, so the RL steps run real tool calls and branch after them "
+                          "(model.toy_policy, stages/bootstrap/toy_policy.py)")
     rehearse.add_argument("--dry-run", action="store_true", help="print the changes, build the toy model and run the "
                           "seam checks; train nothing")
     rehearse.set_defaults(handler=cmd_rehearse)
@@ -38,8 +42,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     from stages.rehearse.run import finish, prepare
 
     selection = select_stages(args.only, args.until, args.refresh, args.refresh_from)
-    prepared = prepare(args.profile, args.override, Offline(args.search_replay, args.page_replay, args.engine, args.judge),
-                       selection.run, announce=show)
+    offline = Offline(args.search_replay, args.page_replay, args.engine, args.judge, args.toy_policy)
+    prepared = prepare(args.profile, args.override, offline, selection.run, announce=show)
     print("seam checks: " + ("; ".join(f"{r.name} ok" for r in prepared.seams) if prepared.seams else "not run"))
     if args.dry_run:
         return 0

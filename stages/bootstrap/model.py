@@ -52,7 +52,7 @@ def bootstrap_model(cfg: ModelSection, output_root: str | Path, cache_root: str 
         elif cfg.source == "toy":
             from stages.bootstrap.toy import build_toy_model
 
-            build_toy_model(cfg.name, cfg.path, model_dir, cfg.dtype)
+            build_toy_model(cfg.name, cfg.path, model_dir, cfg.dtype, policy=cfg.toy_policy)
         else:
             model_dir = resolve_hub(cfg.path or "", Path(cache_root))
         out.finish(content=model_dir if model_dir.is_relative_to(out.path) else out.path,

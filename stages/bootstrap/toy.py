@@ -121,8 +121,10 @@ def toy_config(arch: Arch, tokenizer: Any) -> Any:
         tie_word_embeddings=arch.tied, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **extra)
 
 
-def build_toy_model(name: str, path: str | None, model_dir: Path, dtype: str = "float32", seed: int = 0) -> dict:
-    """Write the toy model of `name` / `path` to `model_dir` (atomically); returns what `toy.json` records."""
+def build_toy_model(name: str, path: str | None, model_dir: Path, dtype: str = "float32", seed: int = 0,
+                    policy: str = "random") -> dict:
+    """Write the toy model of `name` / `path` to `model_dir` (atomically); returns what `toy.json` records.
+    `policy`: random (init) or tool_caller (stages/bootstrap/toy_policy.py: weights that spell tool calls)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -148,11 +150,16 @@ def build_toy_model(name: str, path: str | None, model_dir: Path, dtype: str = "
               "tied_embeddings": arch.tied, "parameters": sum(p.numel() for p in model.parameters()),
               "tokenizer": source, "tokenizer_size": len(tokenizer), "seed": seed,
               "note": "random init: a rehearsal model, it has learned nothing"}
+    if policy == "tool_caller":
+        from stages.bootstrap.toy_policy import plant_tool_caller
+
+        record |= plant_tool_caller(model, tokenizer)
     tmp = model_dir.with_name(model_dir.name + ".partial")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "toy.json").write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, model_dir)
-    log.info("toy %s model (%s, %.1fM parameters, random init) with the tokenizer from %s -> %s", key,
-             arch.model_type, record["parameters"] / 1e6, source, model_dir)
+    log.info("toy %s model (%s, %.1fM parameters, %s) with the tokenizer from %s -> %s", key, arch.model_type,
+             record["parameters"] / 1e6, "random init" if policy == "random" else f"planted {policy}", source,
+             model_dir)
     return record

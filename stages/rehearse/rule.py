@@ -83,6 +83,7 @@ class Offline:
     page_replay: str | None = None        # {url: text} JSON for browsing (agent.search.browse.mode=replay)
     engine: str | None = None             # rehearse on another RL engine than the profile's (recorded as a swap)
     judge: str = "rule"                   # rule: rule metrics only; policy: the served toy policy is the judge
+    toy_policy: str = "random"            # model.toy_policy of the toy: random | tool_caller (weights that call tools)
 
 
 def rehearsal_for(cfg: Any, offline: Offline = Offline()) -> Rehearsal:
@@ -101,6 +102,8 @@ def rehearsal_for(cfg: Any, offline: Offline = Offline()) -> Rehearsal:
     # --- where it runs
     change("model.source", cfg.model.source, "toy", "swap", "a random-init model of the profile's architecture "
            "(2 layers, width 128) with its real tokenizer and chat template: stages/bootstrap/toy.py")
+    change("model.toy_policy", cfg.model.toy_policy, offline.toy_policy, "swap", "asked for (--toy-policy): weights "
+           "that call the python and search tools (stages/bootstrap/toy_policy.py)")
     change("model.dtype", cfg.model.dtype, "float32", "swap", "CPU")
     change("run.device", cfg.run.device, "cpu", "swap", "this box")
     change("run.name", cfg.run.name, f"{cfg.run.name}-rehearsal", "swap", "the run record says rehearsal")

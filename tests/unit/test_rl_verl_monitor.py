@@ -19,11 +19,13 @@ def test_rollout_metrics_of_a_verl_step_match_the_local_definitions():
     # two trees of n = 2: u (rewards 1, -1: one correct, one format error), v (0, 0: no signal)
     uids = ["u", "u", "v", "v"]
     extras = [{"arpo_tool_calls": 2, "arpo_tool_errors": 1, "arpo_branches": 1, "arpo_fresh": 0, "arpo_finish": "eos",
+               "arpo_calls_by_tool": '{"python": 1, "search": 1}',
                "reward_extra_info": {"acc": 1.0, "f1": 1.0, "format_error": 0.0}},
               {"arpo_tool_calls": 0, "arpo_tool_errors": 0, "arpo_branches": 1, "arpo_fresh": 0, "arpo_finish": "length",
                "arpo_infra_failures": 2, "arpo_masked": 1,
                "reward_extra_info": {"acc": 0.0, "f1": 0.0, "format_error": 1.0}},
               {"arpo_tool_calls": 1, "arpo_tool_errors": 0, "arpo_branches": 0, "arpo_fresh": 1, "arpo_finish": "eos",
+               "arpo_calls_by_tool": '{"search": 1}',
                "reward_extra_info": {"acc": 0.0, "f1": 0.5, "format_error": 0.0}},
               {"arpo_tool_calls": 1, "arpo_tool_errors": 0, "arpo_branches": 0, "arpo_fresh": 1, "arpo_finish": "eos",
                "reward_extra_info": {"acc": 0.0, "f1": 0.5, "format_error": 0.0}}]
@@ -38,6 +40,9 @@ def test_rollout_metrics_of_a_verl_step_match_the_local_definitions():
     assert row["reward/groups_without_signal"] == 0.5                    # v: 0 == 0
     assert row["tools/calls_per_traj"] == 1.0 and row["tools/errors_per_traj"] == 0.25
     assert row["tools/infra_failures"] == 2.0                                        # row 1's two failures
+    # per tool, as the local engine names them (rows without the field: no calls of any tool)
+    assert row["tools/python_per_traj"] == 0.25 and row["tools/search_per_traj"] == 0.5
+    assert row["tools/used_both_rate"] == 0.25
     assert row["rollout/masked_share"] == 0.25 and row["rollout/masked_trajectories"] == 1.0   # row 1 of 4
     assert row["rollout/branches_per_group"] == 0.5 and row["rollout/fresh_per_group"] == 0.5
     assert row["response/length"] == 3.25 and row["response/model_tokens"] == 2.5     # (3 + 4 + 1 + 2) / 4

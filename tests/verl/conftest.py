@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from stages.core.config.agent import AgentSection
 from stages.core.config.loader import load_config
 from stages.core.config.rl import AdvantageSection, RolloutSection
 from stages.rl.verl.mapping import VerlPaths, verl_overrides
@@ -36,12 +37,15 @@ def paths(tmp: Path) -> VerlPaths:
 def settings_file(tmp_path, monkeypatch):
     """Write plugin settings and point ARPO_VERL_SETTINGS at them (as the launcher does for every Ray worker)."""
 
-    def make(advantage: AdvantageSection | None = None, algorithm: str = "arpo", **rollout) -> PluginSettings:
+    def make(advantage: AdvantageSection | None = None, algorithm: str = "arpo", agent: dict | None = None,
+             **rollout) -> PluginSettings:
+        """`agent`: the agent section (its tools, for a worker with the real ToolBox; cache under tmp_path)."""
         base = {"n": 4, "initial_rollouts": 2, "beam_size": 2, "branch_probability": 1.0,
                 "entropy_weight": 0.0, "entropy_quantity": "surprisal", "call_limit": 1,
                 "max_prompt_length": 256, "max_response_length": 160}
         settings = PluginSettings(algorithm=algorithm, rollout=RolloutSection(**{**base, **rollout}),
-                                  advantage=advantage or AdvantageSection(), seed=5, eos_token_ids=[0])
+                                  advantage=advantage or AdvantageSection(), seed=5, eos_token_ids=[0],
+                                  agent=AgentSection.model_validate(agent or {}), cache_root=str(tmp_path / "cache"))
         path = write_settings(settings, tmp_path / f"settings-{len(list(tmp_path.iterdir()))}.json")
         monkeypatch.setenv(SETTINGS_ENV, str(path))
         return settings

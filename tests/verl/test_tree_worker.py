@@ -30,8 +30,9 @@ ANSWERS = ["<think>b</think><answer>\\boxed{42}</answer>", "<think>b</think><ans
 class ScriptedServer:
     """`LLMServerClient.generate(request_id, *, prompt_ids, sampling_params) -> TokenOutput` of verl 0.9.1."""
 
-    def __init__(self, tokenizer: ToyTokenizer) -> None:
+    def __init__(self, tokenizer: ToyTokenizer, script=None) -> None:
         self.tokenizer, self.request_ids, self.params = tokenizer, [], []
+        self.script = script or (lambda context, seed: ANSWERS[seed % 3] + "\x00" if "<result>" in context else FIRST)
         self.turns = lambda params: 1   # event-loop turns a request takes (a test may reorder the answers)
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **_):
@@ -40,7 +41,7 @@ class ScriptedServer:
         self.request_ids.append(request_id)
         self.params.append(dict(sampling_params))
         context = self.tokenizer.decode(prompt_ids)
-        text = ANSWERS[sampling_params["seed"] % 3] + "\x00" if "<result>" in context else FIRST
+        text = self.script(context, sampling_params["seed"])
         ids = [0 if ch == "\x00" else self.tokenizer.index[ch] for ch in text][:sampling_params["max_tokens"]]
         for _ in range(self.turns(sampling_params)):
             await asyncio.sleep(0)
@@ -54,9 +55,11 @@ def sample(uid="u1", index=7, step=3):
             "extra_info": {"index": index}, "agent_name": "arpo_tree"}
 
 
-def make_worker(config, monkeypatch):
-    """verl's TransferQueue worker (our subclass) without Ray: a scripted server, TransferQueue captured in memory,
-    verl's NaiveRewardManager with our compute_score (loaded by verl from the mapping's reward config)."""
+def make_worker(config, monkeypatch, script=None, real_tools=False):
+    """verl's TransferQueue worker (our subclass) without Ray: a scripted server (`script(context, seed) -> text`),
+    TransferQueue captured in memory, verl's NaiveRewardManager with our compute_score (loaded by verl from the
+    mapping's reward config). `real_tools`: the worker builds its ToolBox from the plugin settings, as in verl's
+    actors (stages/rl/verl/tree.py shared_toolbox); else ToyToolBox."""
     import transfer_queue as tq
     from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
     from verl.trainer.ppo.reward import get_custom_reward_fn
@@ -67,7 +70,7 @@ def make_worker(config, monkeypatch):
     asyncio.set_event_loop(asyncio.new_event_loop())  # verl's reward manager binds the current loop
     manager = NaiveRewardManager(config, tokenizer, get_custom_reward_fn(config))
     worker = object.__new__(agent_loop.ArpoAgentLoopWorker)
-    server = ScriptedServer(tokenizer)
+    server = ScriptedServer(tokenizer, script)
     worker.__dict__.update(config=config, llm_client=SimpleNamespace(generate=server.generate), tokenizer=tokenizer,
                            processor=None, distillation_enabled=False, tools=[], dataset_cls=None, hf_model_type=None,
                            mm_processor_kwargs={},
@@ -77,7 +80,8 @@ def make_worker(config, monkeypatch):
     loop.__dict__.update(server_manager=worker.llm_client, tokenizer=tokenizer,
                          rollout_config=config.actor_rollout_ref.rollout)
     monkeypatch.setattr(worker, "_tree_loop", lambda: loop)
-    monkeypatch.setattr(agent_loop, "shared_toolbox", lambda settings: ToyToolBox())
+    if not real_tools:
+        monkeypatch.setattr(agent_loop, "shared_toolbox", lambda settings: ToyToolBox())
 
     async def kv_put(key, partition_id, tag):
         store["status"].append((key, tag["status"]))

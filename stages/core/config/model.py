@@ -33,6 +33,11 @@ class ModelSection(Section):
                              "the tokenizer comes from",
                              json_schema_extra={**used_when(source=("hub", "local", "toy")),
                                                 **input_file("model_dir", when={"source": "local"})})
+    toy_policy: Literal["random", "tool_caller"] = Field(
+        "random", description="source=toy: random = random init (it never calls a tool); tool_caller = weights "
+        "planted as a next-token table that calls the python and search tools and then answers or calls again "
+        "(stages/bootstrap/toy_policy.py), so a rehearsal's RL steps run real tool calls and branch after them",
+        json_schema_extra=used_when(source="toy"))
     template: str = Field("smollm2", description="LLaMA-Factory chat template of this model family")
     eos_token: str | None = Field("<|im_end|>", description="forced eos/pad token (GGUF conversion sets it wrong)",
                                   json_schema_extra=GGUF)

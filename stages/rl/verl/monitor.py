@@ -89,6 +89,12 @@ def rollout_metrics(uids: Sequence[Any], extras: Sequence[dict[str, Any]], score
         values = [float(e[field]) for e in first.values() if isinstance(e.get(field), (int, float))]
         if values:
             row[name] = _mean(values)
+    # calls per tool (the local engine's tools/<tool>_per_traj and tools/used_both_rate: stages/rl/step_metrics.py)
+    by_tool = [json.loads(e.get("arpo_calls_by_tool") or "{}") for e in extras]
+    for tool in sorted({k for calls in by_tool for k in calls}):
+        row[f"tools/{tool}_per_traj"] = _mean([float(calls.get(tool, 0)) for calls in by_tool])
+    row["tools/used_both_rate"] = _mean([float(calls.get("search", 0) > 0 and calls.get("python", 0) > 0)
+                                        for calls in by_tool])
     row |= {f"finish/{reason}": count / n for reason, count in sorted(finish.items())}
     if entropy_BT is not None:
         mask = mask_BT.float()

@@ -212,6 +212,7 @@ def tree_outputs(batch: RolloutBatch) -> list[dict[str, Any]]:
                 "arpo_parent": index_of.get(traj.parent_id, -1) if traj.parent_id is not None else -1,
                 "arpo_fork_at": int(traj.fork_at), "arpo_finish": traj.finish_reason,
                 "arpo_tool_calls": calls, "arpo_tool_errors": traj.tool_errors,
+                "arpo_calls_by_tool": json.dumps(dict(sorted(traj.tool_calls.items()))),  # tools/<tool>_per_traj
                 "arpo_infra_failures": traj.infra_failures - traj.meta.get("inherited_infra_failures", 0),
                 "arpo_masked": int(traj.masked),
                 "arpo_branches": group.branches, "arpo_fresh": group.fresh,
