@@ -87,25 +87,43 @@ class MathResult:
     error: str | None = None
 
 
+STARTUP_CEILING_S = 300.0  # a ceiling only a broken start reaches: a spawn and its imports take seconds
+
+
+def _warm(worker: Callable[[str, tuple[str, ...], float], bool]) -> None:
+    """Nothing to do: unpickling `worker` (by name) in the child has imported its module."""
+
+
 class MathVerifier:
     """math-verify in a pool of spawned processes; a hung item is cut off and scored False with an error.
 
     `with MathVerifier(workers=2) as mv: mv.check([(pred, golds), ...])`. An item gets `timeout_s` (the soft
-    limit inside the worker) per text it parses plus `slack_s` (the pool's start-up); past that its pool is
+    limit inside the worker) per text it parses plus `slack_s` (a loaded box's overhead; the pool's start-up is
+    waited for before any item, up to `startup_s`); past that its pool is
     killed and restarted for the items after it, so one pathological expression cannot stall the rest.
     `worker` (a module-level function, it is pickled by name) exists for tests.
     """
 
     def __init__(self, workers: int = 2, timeout_s: float = 5.0, slack_s: float = 30.0,
-                 worker: Callable[[str, tuple[str, ...], float], bool] | None = None) -> None:
+                 worker: Callable[[str, tuple[str, ...], float], bool] | None = None,
+                 startup_s: float = STARTUP_CEILING_S) -> None:
         self.workers = max(1, workers)
         self.timeout_s = timeout_s
         self.slack_s = slack_s
+        self.startup_s = startup_s
         self.worker = worker or _math_worker
         self._pool = None
 
     def __enter__(self) -> MathVerifier:
+        """Start the pool and wait until every worker has imported the worker's module, so that no item's limit
+        pays for a spawn and its imports (seconds on a loaded box)."""
         self._pool = multiprocessing.get_context("spawn").Pool(processes=self.workers)
+        try:
+            self._pool.map_async(_warm, [self.worker] * self.workers, chunksize=1).get(timeout=self.startup_s)
+        except multiprocessing.TimeoutError:
+            self.__exit__()
+            raise RuntimeError(f"math-verify's {self.workers} worker processes did not start within "
+                               f"{self.startup_s:g} s; is the box out of memory or processes?") from None
         return self
 
     def __exit__(self, *exc: object) -> None:
